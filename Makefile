@@ -1,0 +1,75 @@
+# dllm_ops entry points. `make demo` runs the main job, `make test` the suite.
+# Both set up everything on a fresh machine: a .venv with pinned deps, the
+# extension built with its CUDA kernels (no GPU needed to compile them).
+
+PYTHON   ?= python3
+VENV     ?= .venv
+VPY      := $(VENV)/bin/python
+NPROC    := $(shell nproc 2>/dev/null || echo 2)
+export MAX_JOBS ?= $(NPROC)
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+# The nvcc on PATH may be a wrapper; tools/cuda_home.py finds the real root.
+CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_home.py)
+export CUDA_HOME
+
+.PHONY: venv build test pytest ctest sanitize demo gpu-check clean
+
+# ---- set-up ------------------------------------------------------------------
+$(VENV)/.deps-stamp: requirements.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel
+	$(VPY) -m pip install -q -r requirements.txt
+	touch $@
+
+venv: $(VENV)/.deps-stamp
+
+# Incremental (ninja) in-place build; a .pth makes `import dllm_ops` work from
+# anywhere inside the venv.
+build: venv
+	$(VPY) setup.py -q build_ext --inplace
+	echo "$(CURDIR)" > "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dllm_ops.pth"
+
+# ---- tests -------------------------------------------------------------------
+test: build
+	$(VPY) -m pytest python_tests -ra
+	$(MAKE) ctest
+	$(MAKE) sanitize
+
+pytest: build
+	$(VPY) -m pytest python_tests -ra
+
+# CMake build of the same csrc/ + C++ tests (shared math, simulated kernels).
+CMAKE_DIR := build/cmake
+ctest: venv
+	scripts/cmake_configure.sh $(VPY) $(CMAKE_DIR)
+	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS)
+	ctest --test-dir $(CMAKE_DIR) --output-on-failure
+
+# Sanitizers: TSan over the simulator's threads engine and ASan/UBSan over the
+# fiber engine (torch-free kernel driver), then ASan/UBSan over the CPU kernels
+# by running the CPU tests against an instrumented build of the op library.
+ASAN_DIR := build/asan
+sanitize: venv
+	scripts/sanitize_sim.sh csrc/tests/sim_kernels_main.cpp
+	scripts/cmake_configure.sh $(VPY) $(ASAN_DIR) -DDLLM_SANITIZE=address,undefined
+	cmake --build $(ASAN_DIR) -j $(MAX_JOBS) --target dllm_ops_lib
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	DLLM_OPS_LIBRARY=$(CURDIR)/$(ASAN_DIR)/libdllm_ops_lib.so \
+	  $(VPY) -m pytest python_tests -q -p no:cacheprovider -k "cpu and not sim and not cuda" -m "not slow"
+
+# ---- main job ----------------------------------------------------------------
+demo: build
+	$(VPY) -m bench ops
+
+# ---- GPU machine -------------------------------------------------------------
+# One prepared command for a machine with a GPU: uses that machine's python3
+# (which already has torch, ninja, pytest), installs nothing, builds for sm_90,
+# runs the CUDA tests with skipping turned into failure, then the CUDA bench.
+gpu-check:
+	FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 $(PYTHON) setup.py -q build_ext --inplace
+	DLLM_REQUIRE_CUDA=1 $(PYTHON) -m pytest python_tests -q -ra -k cuda
+	$(PYTHON) -m bench ops --device cuda
+
+clean:
+	rm -rf build dllm_ops/*.so

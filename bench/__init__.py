@@ -1,0 +1,1 @@
+"""Microbenchmarks: `python -m bench ops ...` (see bench/__main__.py)."""

@@ -1,0 +1,86 @@
+"""dllm_ops benchmarks.
+
+  python -m bench ops [--op NAME] [--device cpu|cuda] [--dtype bf16 ...] [--csv FILE]
+
+For each op case: the dllm kernel and each baseline, measured in the same run,
+as median time, bytes moved per second, that rate as a % of the machine's copy
+bandwidth (also measured in this run) and the baseline-time / kernel-time
+speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+          "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def _fmt_row(r):
+    return (f"{r['op']:<18} {r['shape']:<22} {r['dtype']:<9} {r['impl']:<12} "
+            f"{r['median_us']:>11.1f} {r['GB/s']:>8.2f} {r['%copy']:>7.1f} {r['speedup']:>8.2f}")
+
+
+def cmd_ops(args) -> int:
+    import dllm_ops  # noqa: F401  (registers the ops)
+    from bench.cases import CASES
+    from bench.timing import copy_bandwidth, median_seconds
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench ops: --device cuda requested but no GPU is visible", file=sys.stderr)
+        return 2
+    cases = [c for c in CASES if (args.op is None or c.op in args.op) and args.device in c.devices]
+    if not cases:
+        print(f"bench ops: no case matches --op {args.op}", file=sys.stderr)
+        return 2
+    copy_bw = copy_bandwidth(device)
+    print(f"device={device} threads={torch.get_num_threads()} copy bandwidth={copy_bw / 1e9:.2f} GB/s")
+    header = (f"{'op':<18} {'shape':<22} {'dtype':<9} {'impl':<12} {'median_us':>11} "
+              f"{'GB/s':>8} {'%copy':>7} {'speedup':>8}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for case in cases:
+        dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else case.dtypes
+        for dtype in dtypes:
+            inputs = case.make(device, dtype)
+            nbytes = case.nbytes(inputs)
+            t_kernel = median_seconds(lambda: case.run(*inputs), device)
+            impls = [("dllm", t_kernel)] + [
+                (name, median_seconds(lambda f=f: f(*inputs), device)) for name, f in case.baselines.items()]
+            for impl, t in impls:
+                r = dict(op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""),
+                         impl=impl, median_us=t * 1e6, **{"GB/s": nbytes / t / 1e9},
+                         **{"%copy": 100 * nbytes / t / copy_bw}, speedup=t / t_kernel,
+                         device=str(device), copy_GBps=copy_bw / 1e9)
+                rows.append(r)
+                print(_fmt_row(r), flush=True)
+    print("speedup = impl time / dllm time (>1 means the baseline is slower); "
+          "GB/s counts the bytes the op must read and write.")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    po = sub.add_parser("ops", help="kernel microbenchmarks against their references")
+    po.add_argument("--op", nargs="+", help="only these ops")
+    po.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    po.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
+    po.add_argument("--csv", help="also write the rows to this CSV file")
+    po.set_defaults(func=cmd_ops)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

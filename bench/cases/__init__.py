@@ -1,0 +1,3 @@
+"""Benchmark cases, one module per op family. Importing registers them."""
+from .registry import CASES, Case, register  # noqa: F401
+from . import select  # noqa: F401

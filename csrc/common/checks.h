@@ -1,0 +1,51 @@
+// Input validation shared by the CPU and CUDA glue. Every message starts with
+// "dllm::<op>:" so a user can tell which op rejected which argument.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#define DLLM_CHECK(cond, op, ...) TORCH_CHECK((cond), "dllm::", op, ": ", __VA_ARGS__)
+
+namespace dllm {
+
+inline bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline void check_floating(const at::Tensor& t, const char* op, const char* name) {
+  DLLM_CHECK(is_float_type(t.scalar_type()), op, name,
+             " must be float32, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op,
+                        const char* name) {
+  DLLM_CHECK(t.scalar_type() == want, op, name, " must be ", want, ", got ",
+             t.scalar_type());
+}
+
+inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
+  DLLM_CHECK(t.dim() == dim, op, name, " must have ", dim, " dims, got shape ", t.sizes());
+}
+
+inline void check_same_shape(const at::Tensor& a, const at::Tensor& b, const char* op,
+                             const char* an, const char* bn) {
+  DLLM_CHECK(a.sizes() == b.sizes(), op, an, " and ", bn, " must have the same shape, got ",
+             a.sizes(), " and ", b.sizes());
+}
+
+inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op,
+                             const char* an, const char* bn) {
+  DLLM_CHECK(a.scalar_type() == b.scalar_type(), op, an, " and ", bn,
+             " must have the same dtype, got ", a.scalar_type(), " and ", b.scalar_type());
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
+                              const char* an, const char* bn) {
+  DLLM_CHECK(a.device() == b.device(), op, an, " and ", bn,
+             " must be on the same device, got ", a.device(), " and ", b.device());
+}
+
+}  // namespace dllm

@@ -1,0 +1,54 @@
+"""The three backends every op test runs on.
+
+- ``cpu``:  torch.ops.dllm.<op> on CPU tensors (csrc/cpu/).
+- ``sim``:  the CUDA kernels of csrc/cuda/ compiled against the CUDA simulator
+            and run on the CPU (torch.ops.dllm_sim.<op>, CPU tensors).
+- ``cuda``: torch.ops.dllm.<op> on a real GPU; skipped when there is none or
+            the build has no CUDA kernels.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dllm_ops
+
+BACKENDS = ["cpu", "sim", "cuda"]
+
+
+def has_real_cuda() -> bool:
+    return torch.cuda.is_available() and dllm_ops.has_cuda_kernels()
+
+
+def device_of(backend: str) -> torch.device:
+    return torch.device("cuda") if backend == "cuda" else torch.device("cpu")
+
+
+def require(backend: str) -> None:
+    """Skip the calling test when `backend` cannot run here."""
+    if backend == "cuda" and not has_real_cuda():
+        reason = "real CUDA: no GPU on this machine (or a CPU-only build)"
+        if os.environ.get("DLLM_REQUIRE_CUDA") == "1":  # `make gpu-check`: never skip
+            pytest.fail(reason)
+        pytest.skip(reason)
+    if backend == "sim":
+        from sim.build import SimUnavailable, load_sim
+
+        try:
+            load_sim()
+        except SimUnavailable as e:  # pragma: no cover - depends on the machine
+            pytest.skip(f"CUDA simulation unavailable: {e}")
+
+
+def op(backend: str, name: str):
+    """The callable implementing dllm::<name> on `backend`."""
+    require(backend)
+    ns = torch.ops.dllm_sim if backend == "sim" else torch.ops.dllm
+    return getattr(ns, name)
+
+
+def to(backend: str, *tensors):
+    dev = device_of(backend)
+    return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in tensors)

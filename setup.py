@@ -1,0 +1,79 @@
+"""Build dllm_ops._C.
+
+CUDA kernels are compiled whenever torch is a CUDA build and a CUDA toolkit
+(nvcc) is found -- no GPU is needed to compile them. Otherwise, or with
+DLLM_FORCE_CPU=1, a CPU-only extension is built.
+
+Environment:
+  DLLM_FORCE_CPU=1        CPU-only build even when CUDA is available
+  FORCE_CUDA=1            fail instead of falling back to CPU-only
+  TORCH_CUDA_ARCH_LIST    CUDA architectures (default "9.0", H100/H200)
+  MAX_JOBS                parallel compile jobs (honoured by torch's ninja build)
+  DEBUG=1                 -O0 -g
+  CUDA_HOME               toolkit root (found from nvcc when unset)
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from cuda_home import find_cuda_home  # noqa: E402
+
+# torch.utils.cpp_extension reads CUDA_HOME once, at import: set it first.
+_cuda_home = find_cuda_home()
+if _cuda_home:
+    os.environ["CUDA_HOME"] = _cuda_home
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+def want_cuda() -> bool:
+    if _flag("DLLM_FORCE_CPU"):
+        return False
+    ok = torch.version.cuda is not None and _cuda_home is not None
+    if _flag("FORCE_CUDA") and not ok:
+        raise RuntimeError(
+            f"FORCE_CUDA=1 but torch.version.cuda={torch.version.cuda!r}, CUDA_HOME={_cuda_home!r}")
+    return ok
+
+
+def extensions():
+    debug = _flag("DEBUG")
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    csrc = os.path.join(ROOT, "csrc")
+    sources = [os.path.join("csrc", "ops.cpp")] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(csrc, "cpu", "*.cpp")))
+    cxx = opt + ["-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    if _flag("DLLM_NATIVE"):
+        cxx.append("-march=native")
+    common = dict(include_dirs=[csrc], extra_link_args=["-fopenmp"])
+    if want_cuda():
+        sources += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(csrc, "cuda", "*.cu")))
+        nvcc = opt + ["-lineinfo", "--expt-relaxed-constexpr",
+                      "--threads", os.environ.get("NVCC_THREADS", "2")]
+        print(f"dllm_ops: building CUDA kernels for TORCH_CUDA_ARCH_LIST="
+              f"{os.environ['TORCH_CUDA_ARCH_LIST']} with CUDA_HOME={_cuda_home}")
+        return [CUDAExtension("dllm_ops._C", sources,
+                              extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **common)]
+    print("dllm_ops: CPU-only build")
+    return [CppExtension("dllm_ops._C", sources, extra_compile_args={"cxx": cxx}, **common)]
+
+
+setup(
+    name="dllm_ops",
+    version="0.1.0",
+    description="Fast diffusion-LLM inference kernels for PyTorch (d2Cache, DARE, dLLM-KVQ)",
+    packages=find_packages(include=["dllm_ops", "dllm_ops.*", "bench"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension},
+    python_requires=">=3.10",
+)
