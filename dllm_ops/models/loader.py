@@ -1,0 +1,126 @@
+"""Load / save checkpoints in the original Hugging Face layouts.
+
+A folder holds config.json, safetensors weights (one file, or shards listed
+in model.safetensors.index.json) under the original parameter names, and a
+tokenizer that transformers.AutoTokenizer loads offline. No remote code, no
+network: every problem is reported with the file and tensor it concerns.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig, from_hf_config, param_names, to_hf_config
+from .transformer import DiffusionLM
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Original tensor name -> the safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            wm = json.load(f).get("weight_map")
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"dllm_ops.load: {index}: no 'weight_map'")
+        return {k: os.path.join(path, v) for k, v in wm.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise CheckpointError(f"dllm_ops.load: {path}: neither model.safetensors nor "
+                              "model.safetensors.index.json found")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not (os.path.exists(os.path.join(path, "tokenizer.json"))
+            or os.path.exists(os.path.join(path, "tokenizer_config.json"))):
+        raise CheckpointError(f"dllm_ops.load: {path}: no tokenizer (tokenizer.json / "
+                              "tokenizer_config.json) in the folder")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types; keep the cause
+        raise CheckpointError(f"dllm_ops.load: {path}: the tokenizer failed to load: {e}") from e
+
+
+def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
+         tokenizer: bool = True) -> DiffusionLM:
+    """Load a LLaDA or Dream checkpoint folder; the tokenizer is ``model.tokenizer``."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"dllm_ops.load: {cfg_path} not found")
+    with open(cfg_path) as f:
+        config = from_hf_config(json.load(f), cfg_path)
+    names = param_names(config)
+    files = _weight_files(path)
+    missing = [n for n in names.values() if n not in files]
+    if missing:
+        raise CheckpointError(f"dllm_ops.load: {path}: missing tensors {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}")
+    extra = sorted(set(files) - set(names.values()))
+    if extra:
+        raise CheckpointError(f"dllm_ops.load: {files[extra[0]]}: unexpected tensors {extra[:5]}"
+                              f"{' ...' if len(extra) > 5 else ''}")
+    with torch.device("meta"):
+        model = DiffusionLM(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = {}
+    by_file: dict[str, list[str]] = {}
+    for ours, theirs in names.items():
+        by_file.setdefault(files[theirs], []).append(ours)
+    for file, ours_list in by_file.items():
+        with safe_open(file, "pt", device="cpu") as f:
+            for ours in ours_list:
+                t = f.get_tensor(names[ours])
+                if tuple(t.shape) != tuple(expected[ours]):
+                    raise CheckpointError(
+                        f"dllm_ops.load: {file}: tensor {names[ours]} has shape {tuple(t.shape)}, "
+                        f"expected {tuple(expected[ours])} from config.json")
+                state[ours] = t.to(dtype=dtype, device=device)
+    model.load_state_dict(state, assign=True)
+    model.eval()
+    model.tokenizer = load_tokenizer(path) if tokenizer else None
+    return model
+
+
+def save(model: DiffusionLM, path: str, max_shard_bytes: int | None = None, tokenizer=None) -> None:
+    """Write ``model`` in its original layout (sharded when ``max_shard_bytes`` is set)."""
+    os.makedirs(path, exist_ok=True)
+    c: ModelConfig = model.config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(to_hf_config(c), f, indent=2)
+    names = param_names(c)
+    tensors = {names[k]: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards, cur, size = [], {}, 0
+        for k, v in tensors.items():
+            nb = v.numel() * v.element_size()
+            if cur and size + nb > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k] = v
+            size += nb
+        shards.append(cur)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(v.numel() * v.element_size()
+                                                      for v in tensors.values())},
+                       "weight_map": weight_map}, f, indent=2)
+    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if tok is not None:
+        tok.save_pretrained(path)

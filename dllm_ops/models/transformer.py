@@ -1,0 +1,125 @@
+"""The LLaDA / Dream transformer, run token-sparse through dllm ops.
+
+Both are pre-norm llama-style blocks (RMSNorm, NeoX RoPE, SwiGLU MLP); Dream
+adds GQA and q/k/v biases. `step` runs only the tokens a StepPlan names: their
+K/V are rotated and written into the post-RoPE cache (dllm.rope_scatter_kv),
+their queries attend over every cached key (dllm.sparse_attention), and
+logits are produced only where the plan asks for them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..plan import KVCache, StepPlan
+from ..rope import rope_cos_sin
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as both reference models compute them.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.q = nn.Linear(c.hidden_size, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k = nn.Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v = nn.Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o = nn.Linear(c.n_heads * c.head_dim, c.hidden_size, bias=False)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.gate = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ffn_norm(x)
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DiffusionLM(nn.Module):
+    """A LLaDA- or Dream-layout masked diffusion LM (see ModelConfig.arch)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self._rope: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def rope_table(self) -> torch.Tensor:
+        key = self.device
+        if key not in self._rope:
+            c = self.config
+            self._rope[key] = rope_cos_sin(c.rope_theta, c.head_dim, c.max_seq_len, device=self.device)
+        return self._rope[key]
+
+    def new_cache(self, key_valid: torch.Tensor) -> KVCache:
+        c = self.config
+        B, T = key_valid.shape
+        return KVCache.empty(c.n_layers, B, c.n_kv_heads, T, c.head_dim, key_valid.bool(),
+                             self.dtype, self.device)
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor, plan: StepPlan, cache: KVCache,
+             return_probs: bool = False) -> torch.Tensor:
+        """Run the planned tokens of canvas ``x [B, T]``; return ``[B, P, V]`` logits.
+
+        Logits rows follow ``plan.logits_idx`` (padding rows are zeros). With
+        ``return_probs`` the head-averaged attention rows of every layer are
+        left in ``cache.probs`` (d²Cache rollout, KV-quant importance).
+        """
+        c = self.config
+        idx = plan.idx
+        B, Q = idx.shape
+        safe = idx.clamp_min(0)
+        h = self.embed(x.gather(1, safe))
+        pos = cache.positions.gather(1, safe)
+        table = self.rope_table()
+        scale = c.head_dim ** -0.5
+        cache.probs = []
+        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+            a = layer.attn_norm(h)
+            q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
+            k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
+            v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
+            ops.rope_scatter_kv(q, k, v, pos, table, kc, vc, idx)
+            out, probs = ops.sparse_attention(q, kc, vc, cache.key_valid, scale, return_probs)
+            if return_probs:
+                cache.probs.append(probs)
+            h = h + layer.o(out.reshape(B, Q, c.n_heads * c.head_dim))
+            h = h + layer.mlp(h)
+        # Rows of `h` that the plan wants logits for.
+        # Padding entries are routed to a spare column T so they cannot
+        # overwrite the row of a real token at position 0.
+        T = x.shape[1]
+        row_of = torch.full((B, T + 1), -1, dtype=torch.long, device=x.device)
+        row_of.scatter_(1, torch.where(idx >= 0, idx, T), torch.arange(Q, device=x.device).expand(B, Q))
+        rows = torch.where(plan.logits_idx >= 0, row_of.gather(1, plan.logits_idx.clamp_min(0)), -1)
+        if bool(((plan.logits_idx >= 0) & (rows < 0)).any()):
+            raise ValueError("dllm_ops: StepPlan.logits_idx names a position that plan.idx does not run")
+        hl = ops.gather_rows(self.norm(h), rows)
+        return self.lm_head(hl)

@@ -1,0 +1,80 @@
+"""What one model call computes (StepPlan) and the caches it reads (KVCache).
+
+Every cache method is a rule for which tokens are recomputed this step; the
+model runs only the tokens a StepPlan names and every other token keeps what
+the cache holds (DESIGN.md, "One idea carries the decode loop").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepPlan:
+    """Tokens to run this step, per row, as canvas positions.
+
+    idx:        ``[B, Q]`` int64 positions whose hidden states flow through the
+                layers, whose K/V are rewritten and whose queries attend; −1 pads
+                a row that runs fewer tokens. Must be unique within a row.
+    logits_idx: ``[B, P]`` int64 positions whose logits are returned (−1 pads);
+                each must appear in the same row of ``idx``.
+    """
+
+    idx: torch.Tensor
+    logits_idx: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens actually computed (padding excluded), summed over rows."""
+        return int((self.idx >= 0).sum())
+
+    @staticmethod
+    def from_mask(run: torch.Tensor, logits: torch.Tensor) -> "StepPlan":
+        """Build a plan from ``[B, T]`` bool masks of tokens to run / to return logits for."""
+        return StepPlan(mask_to_idx(run), mask_to_idx(logits))
+
+    @staticmethod
+    def full(batch: int, length: int, device) -> "StepPlan":
+        idx = torch.arange(length, device=device).expand(batch, length).contiguous()
+        return StepPlan(idx, idx)
+
+
+def mask_to_idx(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool -> ``[B, max count]`` ascending positions, −1 padded."""
+    counts = mask.sum(1)
+    width = int(counts.max()) if mask.numel() else 0
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    # Sort key pushes unselected positions to the end while keeping order.
+    key = torch.where(mask, pos, pos + mask.shape[1])
+    order = key.sort(1).values[:, :width]
+    keep = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
+    return torch.where(keep, order, torch.full_like(order, -1))
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V, post-RoPE, ``[B, H_kv, T, d]``, plus the canvas geometry.
+
+    key_valid: ``[B, T]`` bool, False on left padding (never attended to).
+    positions: ``[B, T]`` int64 RoPE positions; padding is skipped, so a row's
+               first real token is at position 0 whatever its padding.
+    probs:     per layer, the head-averaged attention rows of the last step's
+               queries ``[B, Q, T]`` when the step asked for them.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    key_valid: torch.Tensor
+    positions: torch.Tensor
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+    @staticmethod
+    def empty(n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int,
+              key_valid: torch.Tensor, dtype, device) -> "KVCache":
+        shape = (batch, n_kv_heads, length, head_dim)
+        positions = (key_valid.long().cumsum(1) - 1).clamp_min(0)
+        return KVCache(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
+                       v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
+                       key_valid=key_valid, positions=positions)

@@ -1,0 +1,33 @@
+"""The policy interface: which tokens each model call recomputes.
+
+A policy never decodes; it only says what runs (a StepPlan) and may observe
+each step's outcome. The decode loop (dllm_ops/decode.py) calls:
+
+    plan = policy.on_block_start(state)   # first call of a block
+    plan = policy.plan(state)             # every later call in the block
+    policy.on_step_end(state, commit)     # after tokens are committed
+
+Policies for d²Cache, DARE and the quantized cache plug in here without
+touching the loop.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..plan import StepPlan
+
+
+class Policy:
+    name = "base"
+    #: ask model.step for head-averaged attention rows (cache.probs)
+    wants_probs = False
+
+    def on_block_start(self, state) -> StepPlan:
+        """Block start: a full forward, refreshing every cache entry."""
+        return state.plan_for(state.valid_and_active())
+
+    def plan(self, state) -> StepPlan:
+        raise NotImplementedError
+
+    def on_step_end(self, state, commit: torch.Tensor) -> None:
+        """`commit` is the ``[B, T]`` bool mask of positions revealed this step."""
