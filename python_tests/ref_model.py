@@ -38,8 +38,17 @@ def _rope(x, pos, theta):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Logits ``[B, T, V]`` (float64, unshifted) of canvas ``x`` with key mask ``valid``."""
+def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor, run=None, kv=None,
+                 return_kv: bool = False):
+    """Logits ``[B, T, V]`` (float64, unshifted) of canvas ``x`` with key mask ``valid``.
+
+    With ``run`` (``[B, T]`` bool) and ``kv`` (per-layer post-RoPE ``(K, V)``
+    ``[B, T, H_kv, d]`` from an earlier call), only the ``run`` tokens are
+    computed: their K/V replace the stored ones, every other key comes from
+    ``kv``; logits of tokens not run are 0. ``return_kv`` also returns the
+    updated per-layer K/V.
+    """
+    partial = run is not None
     cfg, sd = load_original(path_or_pair) if isinstance(path_or_pair, str) else path_or_pair
     llada = cfg["model_type"].lower() == "llada"
     if llada:
@@ -55,7 +64,9 @@ def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor) -> torch.Te
         emb, norm, head = sd["model.embed_tokens.weight"], sd["model.norm.weight"], sd["lm_head.weight"]
     B, T = x.shape
     pos = (valid.long().cumsum(1) - 1).clamp_min(0)
+    run = torch.ones_like(valid) if run is None else run
     h = emb[x]
+    new_kv = []
     for i in range(L):
         if llada:
             p = f"model.transformer.blocks.{i}."
@@ -81,6 +92,10 @@ def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor) -> torch.Te
         q = _rope(q.view(B, T, nh, d), pos, theta)
         k = _rope(k.view(B, T, nkv, d), pos, theta)
         v = v.view(B, T, nkv, d)
+        if partial:
+            k = torch.where(run[..., None, None], k, kv[i][0])
+            v = torch.where(run[..., None, None], v, kv[i][1])
+        new_kv.append((k, v))
         rep = nh // nkv
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
@@ -90,4 +105,5 @@ def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor) -> torch.Te
         h = h + att @ w["o"].T
         f = _rms(h, w["fn"], eps)
         h = h + (torch.nn.functional.silu(f @ w["g"].T) * (f @ w["u"].T)) @ w["d"].T
-    return _rms(h, norm, eps) @ head.T
+    logits = (_rms(h, norm, eps) @ head.T) * run[..., None]
+    return (logits, new_kv) if return_kv else logits

@@ -18,6 +18,22 @@ from ..rope import rope_cos_sin
 from .config import ModelConfig
 
 
+def rotary_cos_sin(theta: float, head_dim: int, positions: torch.Tensor):
+    """fp32 NeoX rotary tables ``[B, T, 1, d]`` for the dense forward."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], -1)[:, :, None, :]
+    return ang.cos(), ang.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half RoPE in fp32, cast back to x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -82,6 +98,33 @@ class DiffusionLM(nn.Module):
         B, T = key_valid.shape
         return KVCache.empty(c.n_layers, B, c.n_kv_heads, T, c.head_dim, key_valid.bool(),
                              self.dtype, self.device)
+
+    def forward(self, x: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense, differentiable forward of every token (training and checks).
+
+        Plain torch (SDPA) so autograd works; inference goes through `step`,
+        which runs the same math token-sparse through dllm ops. Returns
+        unshifted logits ``[B, T, V]``.
+        """
+        c = self.config
+        B, T = x.shape
+        if key_valid is None:
+            key_valid = torch.ones_like(x, dtype=torch.bool)
+        pos = (key_valid.long().cumsum(1) - 1).clamp_min(0)
+        cos, sin = rotary_cos_sin(c.rope_theta, c.head_dim, pos)
+        attn_mask = key_valid[:, None, None, :]
+        h = self.embed(x)
+        for layer in self.layers:
+            a = layer.attn_norm(h)
+            q = apply_rotary(layer.q(a).view(B, T, c.n_heads, c.head_dim), cos, sin)
+            k = apply_rotary(layer.k(a).view(B, T, c.n_kv_heads, c.head_dim), cos, sin)
+            v = layer.v(a).view(B, T, c.n_kv_heads, c.head_dim)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                enable_gqa=c.n_heads != c.n_kv_heads)
+            h = h + layer.o(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+            h = h + layer.mlp(h)
+        return self.lm_head(self.norm(h))
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, plan: StepPlan, cache: KVCache,

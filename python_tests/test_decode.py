@@ -1,0 +1,173 @@
+import pytest
+import torch
+
+import dllm_ops
+from dllm_ops.decode import DecodeError, quota_schedule
+from dllm_ops.models import load
+from ref_generate import ref_generate
+from ref_model import load_original
+from tiny_ckpt import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llada"))
+    make_checkpoint(path, "llada", seed=3)
+    return path, load(path, dtype=torch.float32), load_original(path)
+
+
+@pytest.fixture(scope="module")
+def dream(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dream"))
+    make_checkpoint(path, "dream", seed=4)
+    return path, load(path, dtype=torch.float32)
+
+
+PROMPTS = [[5, 9, 11, 30, 7, 8], [12, 40, 41, 6, 9, 10, 22, 50, 51, 17, 5], [33, 34]]
+
+
+def test_quota_schedule_matches_llada():
+    assert quota_schedule(8, 3) == [3, 3, 2]
+    assert quota_schedule(32, 32) == [1] * 32
+    assert sum(quota_schedule(7, 4)) == 7
+
+
+CASES = [
+    dict(unmask="topk", steps=16),
+    dict(unmask="topk", steps=8),
+    dict(unmask="threshold", threshold=0.5),
+    dict(unmask="factor", factor=1.0),
+    dict(unmask="topk", steps=16, temperature=0.7, seed=11),
+    dict(unmask="threshold", threshold=0.3, temperature=1.0, seed=5),
+    dict(unmask="topk", steps=16, remasking="random", seed=2),
+]
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_generate_equals_reference_loop(llada, cache, case):
+    path, model, original = llada
+    kw = dict(gen_length=16, block_length=8, steps=case.get("steps", 16))
+    kw.update({k: v for k, v in case.items() if k != "steps"})
+    for prompt in PROMPTS[:2]:
+        out = dllm_ops.generate(model, prompt, cache=cache, stop_at_eos=False, **kw)
+        want = ref_generate(original, prompt, mask_id=model.config.mask_id, cache=cache, **kw)
+        assert out.tokens[0].tolist() == want
+        assert model.config.mask_id not in want
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("unmask", ["topk", "threshold"])
+def test_batch_equals_single(llada, cache, unmask):
+    _, model, _ = llada
+    kw = dict(gen_length=16, block_length=8, steps=16, unmask=unmask, threshold=0.5, cache=cache,
+              stop_at_eos=False)
+    batch = dllm_ops.generate(model, PROMPTS, **kw)
+    for r, p in enumerate(PROMPTS):
+        single = dllm_ops.generate(model, p, **kw)
+        assert batch.tokens[r].tolist() == single.tokens[0].tolist(), f"row {r}"
+
+
+def test_dream_modes_batch_equals_single(dream):
+    _, model = dream
+    for alg in ["entropy", "maskgit_plus", "topk_margin", "confidence_threshold"]:
+        for cache in ["none", "prefix", "dual"]:
+            kw = dict(gen_length=16, block_length=8, steps=16, alg=alg, threshold=0.5, cache=cache,
+                      stop_at_eos=False)
+            batch = dllm_ops.generate(model, PROMPTS, **kw)
+            assert model.config.mask_id not in batch.tokens.flatten().tolist()
+            for r, p in enumerate(PROMPTS):
+                single = dllm_ops.generate(model, p, **kw)
+                assert batch.tokens[r].tolist() == single.tokens[0].tolist(), (alg, cache, r)
+
+
+def test_dream_block_start_commits_only_the_first_token(dream):
+    _, model = dream
+    from dllm_ops.policies import Vanilla
+
+    seen = []
+
+    class Spy(Vanilla):
+        def on_step_end(self, state, commit):
+            seen.append((state.step, state.block_start, commit.nonzero()[:, 1].tolist()))
+
+    dllm_ops.generate(model, PROMPTS[0], gen_length=16, block_length=8, steps=16, alg="entropy",
+                      policy=Spy(), stop_at_eos=False)
+    firsts = [(bs, cols) for step, bs, cols in seen if step == 0]
+    assert len(firsts) == 2 and all(cols == [bs] for bs, cols in firsts)
+
+
+def test_cache_modes_cost_less(llada):
+    _, model, _ = llada
+    kw = dict(gen_length=32, block_length=8, steps=32, stop_at_eos=False)
+    stats = {c: dllm_ops.generate(model, PROMPTS[1], cache=c, **kw).stats for c in ["none", "prefix", "dual"]}
+    assert stats["none"]["nfe"] == stats["prefix"]["nfe"] == stats["dual"]["nfe"] == 32
+    assert stats["dual"]["model_flops"] < stats["prefix"]["model_flops"] < stats["none"]["model_flops"]
+    assert stats["dual"]["tokens_recomputed"] < stats["prefix"]["tokens_recomputed"]
+
+
+def test_stop_at_eos_keeps_every_token_before_eos(llada):
+    _, model, _ = llada
+    eos = model.config.eos_id
+    kw = dict(gen_length=32, block_length=8, steps=32)
+    # Make EOS likely by boosting its logit, so rows finish early.
+    with torch.no_grad():
+        saved = model.lm_head.weight[eos].clone()
+        model.lm_head.weight[eos] += 0.6 * model.lm_head.weight.norm(dim=1).mean() * torch.randn_like(saved)
+    try:
+        full = dllm_ops.generate(model, PROMPTS, stop_at_eos=False, **kw)
+        stop = dllm_ops.generate(model, PROMPTS, stop_at_eos=True, **kw)
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight[eos] = saved
+    assert full.sequences == stop.sequences
+    assert any(eos in row for row in full.tokens.tolist())
+    assert stop.stats["nfe"] <= full.stats["nfe"]
+    for r, filled in enumerate(stop.stats["eos_filled"]):
+        row = stop.tokens[r].tolist()
+        assert model.config.mask_id not in row
+        if filled:
+            assert eos in row
+
+
+def test_generate_with_tokenizer_and_chat_template(llada):
+    _, model, _ = llada
+    tok = model.tokenizer
+    out = dllm_ops.generate(model, tok, messages=[{"role": "user", "content": "w1 w2 w3"}],
+                            gen_length=8, block_length=8, steps=8)
+    assert isinstance(out.text[0], str)
+    ids = tok.apply_chat_template([{"role": "user", "content": "w1 w2 w3"}], add_generation_prompt=True,
+                                  tokenize=False)
+    same = dllm_ops.generate(model, tok(ids, add_special_tokens=False)["input_ids"], gen_length=8,
+                             block_length=8, steps=8)
+    assert out.tokens.tolist() == same.tokens.tolist()
+    assert out.stats["generated_tokens"] == len(out.sequences[0])
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(gen_length=10, block_length=4), "multiple of block_length"),
+    (dict(gen_length=16, block_length=8, steps=3), "multiple of the number of blocks"),
+    (dict(prompt_ids=[[]]), "prompt 0 is empty"),
+    (dict(gen_length=256, block_length=8, steps=256), "exceeds the model's maximum"),
+    (dict(prompt_ids=[[5, 3, 6]]), "contains the mask id"),
+])
+def test_generate_bad_input(llada, kw, msg):
+    _, model, _ = llada
+    prompt = kw.pop("prompt_ids", [[5, 6, 7]])
+    kw.setdefault("gen_length", 16)
+    kw.setdefault("block_length", 8)
+    with pytest.raises(DecodeError, match=msg):
+        dllm_ops.generate(model, prompt, **kw)
+
+
+def test_nan_logits_are_reported(llada):
+    _, model, _ = llada
+    with torch.no_grad():
+        saved = model.norm.weight.clone()
+        model.norm.weight[0] = float("nan")
+    try:
+        with pytest.raises((DecodeError, RuntimeError), match="(?i)nan"):
+            dllm_ops.generate(model, [5, 6, 7], gen_length=8, block_length=8, steps=8)
+    finally:
+        with torch.no_grad():
+            model.norm.weight.copy_(saved)
