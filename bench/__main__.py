@@ -1,6 +1,7 @@
 """dllm_ops benchmarks.
 
   python -m bench ops [--op NAME] [--device cpu|cuda] [--dtype bf16 ...] [--csv FILE]
+  python -m bench decode --model PATH|NAME | --synthetic llada-8b --layers 4   (bench/decode.py)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     po.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
     po.add_argument("--csv", help="also write the rows to this CSV file")
     po.set_defaults(func=cmd_ops)
+    from bench.decode import add_parser as add_decode
+    add_decode(sub)
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -14,4 +14,24 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY(dllm, m) {
   // ---- family: select -------------------------------------------------------
   m.def("cosine_drift(Tensor x, Tensor x_prev) -> Tensor");
+  m.def("token_confidence(Tensor logits, str mode, float temperature, Tensor? suppress, "
+        "Tensor? noise) -> (Tensor token, Tensor score)");
+  m.def("select_transfer(Tensor score, Tensor candidate, str rule, Tensor? k, float threshold, "
+        "float factor) -> Tensor");
+  m.def("certainty_density(Tensor decoded, float sigma, bool left_known, bool right_known) "
+        "-> Tensor");
+  m.def("drift_select(Tensor drift, Tensor region, float reuse_fraction, int max_recompute) "
+        "-> (Tensor reuse, Tensor recompute_idx, Tensor recompute_count)");
+  m.def("drift_select_threshold(Tensor drift, Tensor region, float threshold, "
+        "int max_recompute) -> (Tensor reuse, Tensor recompute_idx, Tensor recompute_count)");
+  // ---- family: sparse_kv ----------------------------------------------------
+  m.def("rope_scatter_kv(Tensor(a!) q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor idx) -> ()");
+  m.def("sparse_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? key_valid, "
+        "float scale, bool return_probs) -> (Tensor out, Tensor probs_mean)");
+  m.def("gather_rows(Tensor x, Tensor idx) -> Tensor");
+  m.def("scatter_rows(Tensor(a!) dst, Tensor src, Tensor idx) -> ()");
+  // ---- family: rollout ------------------------------------------------------
+  m.def("rollout_scores(Tensor probs_rows, Tensor row_idx, Tensor valid) -> Tensor");
+  m.def("nucleus_select(Tensor scores, Tensor candidate, float p, int min_k) -> Tensor");
 }

@@ -14,5 +14,21 @@ else:
 from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / meta)
 from . import ops, reference  # noqa: E402
 from .ops import cosine_drift, has_cuda_kernels  # noqa: E402
+from .ops import (certainty_density, drift_select, drift_select_threshold,  # noqa: E402
+                  select_transfer, token_confidence)  # family: select
+from .ops import nucleus_select, rollout_scores  # noqa: E402  (family: rollout)
+from .ops import gather_rows, rope_scatter_kv, scatter_rows, sparse_attention  # noqa: E402  (family: sparse_kv)
+from . import rope  # noqa: E402
 
 __all__ = ["ops", "reference", "cosine_drift", "has_cuda_kernels"]
+__all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
+            "drift_select_threshold"]
+__all__ += ["rollout_scores", "nucleus_select"]
+__all__ += ["rope", "rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]
+
+# The product: models, checkpoint loading and the decode loop.
+from .models import load  # noqa: E402
+from .decode import GenerateOutput, generate  # noqa: E402
+from .plan import KVCache, StepPlan  # noqa: E402
+
+__all__ += ["load", "generate", "GenerateOutput", "StepPlan", "KVCache"]

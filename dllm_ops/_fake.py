@@ -12,3 +12,97 @@ def _cosine_drift_fake(x, x_prev):
     torch._check(x.shape == x_prev.shape, lambda: "dllm::cosine_drift: shape mismatch")
     torch._check(x.dtype == x_prev.dtype, lambda: "dllm::cosine_drift: dtype mismatch")
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+# ---- family: select (selection kernels) -------------------------------------
+
+
+@torch.library.register_fake("dllm::token_confidence")
+def _token_confidence_fake(logits, mode, temperature, suppress, noise):
+    torch._check(logits.dim() == 2, lambda: "dllm::token_confidence: logits must have 2 dims")
+    n = logits.shape[0]
+    return (logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.float32))
+
+
+@torch.library.register_fake("dllm::select_transfer")
+def _select_transfer_fake(score, candidate, rule, k, threshold, factor):
+    torch._check(score.dim() == 2, lambda: "dllm::select_transfer: score must have 2 dims")
+    torch._check(score.shape == candidate.shape, lambda: "dllm::select_transfer: shape mismatch")
+    return candidate.new_empty(score.shape, dtype=torch.bool)
+
+
+@torch.library.register_fake("dllm::certainty_density")
+def _certainty_density_fake(decoded, sigma, left_known, right_known):
+    torch._check(decoded.dim() == 2, lambda: "dllm::certainty_density: decoded must have 2 dims")
+    return decoded.new_empty(decoded.shape, dtype=torch.float32)
+
+
+def _drift_select_outputs(drift, region, max_recompute, op):
+    torch._check(drift.dim() == 2, lambda: f"dllm::{op}: drift must have 2 dims")
+    torch._check(drift.shape == region.shape, lambda: f"dllm::{op}: shape mismatch")
+    b = drift.shape[0]
+    return (region.new_empty(drift.shape, dtype=torch.bool),
+            region.new_empty((b, max_recompute), dtype=torch.int32),
+            region.new_empty((b,), dtype=torch.int32))
+
+
+@torch.library.register_fake("dllm::drift_select")
+def _drift_select_fake(drift, region, reuse_fraction, max_recompute):
+    return _drift_select_outputs(drift, region, max_recompute, "drift_select")
+
+
+@torch.library.register_fake("dllm::drift_select_threshold")
+def _drift_select_threshold_fake(drift, region, threshold, max_recompute):
+    return _drift_select_outputs(drift, region, max_recompute, "drift_select_threshold")
+
+
+# ---- family: rollout ---------------------------------------------------------
+
+
+@torch.library.register_fake("dllm::rollout_scores")
+def _rollout_scores_fake(probs_rows, row_idx, valid):
+    torch._check(probs_rows.dim() == 4, lambda: "dllm::rollout_scores: probs_rows must have 4 dims")
+    torch._check(row_idx.shape == probs_rows.shape[:3], lambda: "dllm::rollout_scores: row_idx shape")
+    torch._check(valid.dim() == 2 and valid.shape[0] == probs_rows.shape[1]
+                 and valid.shape[1] == probs_rows.shape[3], lambda: "dllm::rollout_scores: valid shape")
+    return probs_rows.new_empty((probs_rows.shape[1], probs_rows.shape[3]), dtype=torch.float32)
+
+
+@torch.library.register_fake("dllm::nucleus_select")
+def _nucleus_select_fake(scores, candidate, p, min_k):
+    torch._check(scores.dim() == 2, lambda: "dllm::nucleus_select: scores must have 2 dims")
+    torch._check(scores.shape == candidate.shape, lambda: "dllm::nucleus_select: shape mismatch")
+    return scores.new_empty(scores.shape, dtype=torch.bool)
+
+
+# ---- family: sparse_kv -------------------------------------------------------
+
+
+@torch.library.register_fake("dllm::rope_scatter_kv")
+def _rope_scatter_kv_fake(q, k, v, positions, cos_sin, k_cache, v_cache, idx):
+    torch._check(q.dim() == 4 and k.dim() == 4 and k_cache.dim() == 4,
+                 lambda: "dllm::rope_scatter_kv: q, k and k_cache must have 4 dims")
+    return None
+
+
+@torch.library.register_fake("dllm::sparse_attention")
+def _sparse_attention_fake(q, k_cache, v_cache, key_valid, scale, return_probs):
+    torch._check(q.dim() == 4 and k_cache.dim() == 4,
+                 lambda: "dllm::sparse_attention: q and k_cache must have 4 dims")
+    torch._check(q.dtype == k_cache.dtype == v_cache.dtype,
+                 lambda: "dllm::sparse_attention: q, k_cache and v_cache must share a dtype")
+    B, Q, H, d = q.shape
+    probs_shape = (B, Q, k_cache.shape[2]) if return_probs else (0,)
+    return q.new_empty((B, Q, H, d)), q.new_empty(probs_shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("dllm::gather_rows")
+def _gather_rows_fake(x, idx):
+    torch._check(x.dim() == 3 and idx.dim() == 2, lambda: "dllm::gather_rows: x [B, T, C], idx [B, Q]")
+    return x.new_empty((x.shape[0], idx.shape[1], x.shape[2]))
+
+
+@torch.library.register_fake("dllm::scatter_rows")
+def _scatter_rows_fake(dst, src, idx):
+    torch._check(dst.dim() == 3 and src.dim() == 3, lambda: "dllm::scatter_rows: dst, src [B, *, C]")
+    return None

@@ -8,6 +8,10 @@ from __future__ import annotations
 import torch
 
 __all__ = ["cosine_drift", "has_cuda_kernels"]
+__all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
+            "drift_select_threshold"]  # family: select
+__all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
+__all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 
 
 def has_cuda_kernels(op: str = "cosine_drift") -> bool:
@@ -32,3 +36,329 @@ def cosine_drift(x: torch.Tensor, x_prev: torch.Tensor) -> torch.Tensor:
         so a zero row has drift exactly 1.
     """
     return torch.ops.dllm.cosine_drift.default(x, x_prev)
+
+
+# ---- family: select (selection kernels) -------------------------------------
+
+
+def token_confidence(logits: torch.Tensor, mode: str = "prob", temperature: float = 0.0,
+                     suppress: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen token and its confidence for every row of logits, in one pass.
+
+    Each row is read once with an online softmax (fp32 accumulation); only
+    ``neg_entropy`` reads it a second time (see below).
+
+    Args:
+        logits: ``[N, V]`` float32/float16/bfloat16 (V up to 2^31 - 2; LLaDA's
+            126,464 and Dream's 152,064 are tested). Rows may be strided; the
+            vocab dim is used in place when its stride is 1.
+        mode: the score, always from the *un-noised* softmax
+            ``p = softmax(logits)`` (temperature 1, suppressed ids at -inf):
+
+            - ``"prob"``: ``p[token]``; with ``temperature == 0`` this is the
+              max probability (LLaDA ``low_confidence``, Fast-dLLM, Dream
+              ``maskgit_plus``).
+            - ``"margin"``: ``p_(1) - p_(2)``, the two largest probabilities
+              (Dream ``topk_margin``); 0 when the top two logits tie, ``p_(1)``
+              when the row has a single finite logit.
+            - ``"neg_entropy"``: ``sum_i p_i * log(p_i + 1e-10)`` exactly as
+              Dream's ``entropy`` (``0 * log(1e-10) = 0``). It is computed as
+              ``s1/S0 - log S0`` from the one-pass moments (``S0 = sum e^{x-m}``,
+              ``s1 = sum (x-m) e^{x-m}``) plus the +1e-10 correction
+              ``sum p log1p(1e-10/p)``, which needs the final ``S0`` and is
+              therefore summed over a second read of the row. It is not
+              dropped: it is up to V*1e-10 and, for a confident row, of the
+              same order as the entropy itself.
+        temperature: 0 = greedy (``token = argmax logits``). With
+            ``temperature > 0`` the token is the Gumbel-max sample
+            ``argmax_i (logits_i / T + noise_i)``, formed in float64 (one IEEE
+            division, one addition), so every backend picks the same token.
+            This is LLaDA's ``add_gumbel_noise``: it takes
+            ``argmax exp(l) / (-log U)^T``, and since log is increasing and
+            T > 0 that is ``argmax l - T log(-log U) = argmax l/T + g`` with
+            ``g = -log(-log U)``, a standard Gumbel sample. To reproduce it pass
+            ``noise = -torch.log(-torch.log(U)).float()`` with
+            ``U = torch.rand(N, V, dtype=torch.float64)``. For Dream's
+            ``softmax(logits / T)`` sampling pass ``logits / T`` with
+            ``temperature=1`` (then the score is also from ``softmax(logits/T)``,
+            as in Dream).
+        suppress: optional int64 ``[S]`` ids in ``[0, V)`` (duplicates allowed)
+            whose logits count as -inf in every row, for the argmax and the
+            softmax (LLaDA's ``logits_eos_inf``).
+        noise: float32 ``[N, V]`` Gumbel samples; required iff temperature > 0.
+            A -inf logit stays -inf whatever its noise.
+
+    Returns:
+        ``token`` int64 ``[N]`` and ``score`` float32 ``[N]``. Ties go to the
+        lowest index.
+
+    Raises:
+        RuntimeError ``dllm::token_confidence: ...`` for a NaN or +inf logit at
+        an id that is not suppressed, NaN noise at a finite logit, a row with no
+        finite logit, or a suppress id out of range. On CUDA the check costs one
+        4-byte device-to-host read (a sync); inside CUDA-graph capture it is
+        skipped and such a row yields token -1 and score NaN.
+    """
+    return torch.ops.dllm.token_confidence.default(logits, mode, float(temperature), suppress, noise)
+
+
+def select_transfer(score: torch.Tensor, candidate: torch.Tensor, rule: str,
+                    k: torch.Tensor | None = None, threshold: float = 0.9,
+                    factor: float = 1.0) -> torch.Tensor:
+    """Which candidate positions to commit this step (Fast-dLLM transfer rules).
+
+    Candidates are ordered by score descending, ties by lower index first
+    (deterministic); non-candidates are never selected.
+
+    Args:
+        score: ``[B, L]`` float32/float16/bfloat16 confidences. NaN at a
+            candidate is an error; -inf is allowed (ranked last).
+        candidate: ``[B, L]`` bool, the positions that may be committed
+            (masked tokens of the current block).
+        rule:
+            - ``"topk"``: the first ``k[b]`` candidates; ``k`` is int64 ``[B]``
+              with ``0 <= k[b] <=`` the row's candidate count (else an error).
+            - ``"threshold"``: every candidate with ``score >= threshold``
+              (compared in float64) plus the first one, so a row with
+              candidates commits at least one.
+            - ``"factor"``: Fast-dLLM's dynamic rule. With the n candidates'
+              sorted scores c_1 >= ... >= c_n and ``thr_j = 1 - factor/(j+1)``
+              (``thr_1 = -1``), t = the first j (0-based) with c < thr; commit
+              the top t, except: t == 0 commits 1, and t == n-1 ("only the last
+              fails") or no failure commits all n (the reference's loop quirk).
+        k: per-row counts for ``topk`` only (must be None otherwise).
+        threshold: the ``threshold`` rule's tau (not NaN).
+        factor: the ``factor`` rule's f (finite).
+
+    Returns:
+        ``[B, L]`` bool commit mask.
+
+    On CUDA the argument checks that need the data (k range, NaN) cost one
+    4-byte read; they are skipped inside CUDA-graph capture.
+    """
+    return torch.ops.dllm.select_transfer.default(score, candidate, rule, k, float(threshold),
+                                                 float(factor))
+
+
+def certainty_density(decoded: torch.Tensor, sigma: float = 10.0, left_known: bool = True,
+                      right_known: bool = False) -> torch.Tensor:
+    """d²Cache's certainty density D(i) over the generated region.
+
+    ``D(i) = sum_{j=-G}^{2G-1} m_j exp(-(i-j)^2 / 2 sigma^2) / Z`` with
+    ``Z = sum_{d=-3G}^{3G-1} exp(-d^2 / 2 sigma^2)`` (a constant), where
+    ``m_j = decoded[j]`` on the region, the G-wide left pad is ``left_known``
+    and the G-wide right pad is ``right_known or decoded[b, G-1]``. d²Cache's
+    own rule (prompt known; right side known iff the last generated token is
+    decoded) is the default ``left_known=True, right_known=False``;
+    ``right_known=True`` says the tokens after the region are decoded.
+
+    The sum is direct over ``|i - j| <= ceil(6.5 sigma)`` in float64; the
+    dropped tail is below 3e-10 of D (bound in ``csrc/common/select_math.h``).
+
+    Args:
+        decoded: ``[B, G]`` bool, True = decoded token, False = mask.
+        sigma: the Gaussian width (finite, > 0; d²Cache uses 10).
+
+    Returns:
+        ``[B, G]`` float32 in [0, 1].
+    """
+    return torch.ops.dllm.certainty_density.default(decoded, float(sigma), bool(left_known),
+                                                   bool(right_known))
+
+
+def drift_select(drift: torch.Tensor, region: torch.Tensor, reuse_fraction: float,
+                 max_recompute: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split each row's region into reused (lowest drift) and recomputed tokens.
+
+    Per row with n region tokens, the ``floor(reuse_fraction * n)`` tokens of
+    lowest drift (ties: lower index counts as lower) are reused; the other
+    region tokens are recomputed. Tokens outside the region are neither.
+
+    Args:
+        drift: ``[B, T]`` float32/float16/bfloat16 (e.g. ``cosine_drift``);
+            NaN inside the region is an error.
+        region: ``[B, T]`` bool.
+        reuse_fraction: in ``[0, 1)``.
+        max_recompute: the static width of ``recompute_idx`` (>= 0).
+
+    Returns:
+        ``reuse`` bool ``[B, T]``; ``recompute_idx`` int32
+        ``[B, max_recompute]``, each row's recomputed positions ascending,
+        padded with -1 (a static shape, CUDA-graph friendly);
+        ``recompute_count`` int32 ``[B]``, the real counts.
+
+    Raises:
+        RuntimeError when a row needs more than ``max_recompute`` recomputed
+        tokens. On CUDA this (and the NaN check) costs one 4-byte read; inside
+        CUDA-graph capture it is skipped, ``recompute_idx`` then holds the
+        first ``max_recompute`` positions and ``recompute_count`` the real
+        (larger) count, so the caller can still detect the overflow.
+    """
+    return torch.ops.dllm.drift_select.default(drift, region, float(reuse_fraction),
+                                              int(max_recompute))
+
+
+def drift_select_threshold(drift: torch.Tensor, region: torch.Tensor, threshold: float,
+                           max_recompute: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The absolute-threshold variant of :func:`drift_select`.
+
+    A region token is recomputed iff ``drift >= threshold`` (compared in
+    float64), else reused. Outputs, padding and errors are as in
+    :func:`drift_select`; ``threshold`` must not be NaN.
+    """
+    return torch.ops.dllm.drift_select_threshold.default(drift, region, float(threshold),
+                                                        int(max_recompute))
+
+
+# ---- family: rollout ---------------------------------------------------------
+
+
+def rollout_scores(probs_rows: torch.Tensor, row_idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Attention-rollout importance ``g = 1ᵀ Ã_L ⋯ Ã_1`` (d²Cache stage 2) in O(L·Q·T).
+
+    ``Ã_l = rownorm(A_l + I)``, where ``A_l`` holds the given attention rows at
+    their tokens and ``e_i`` at every other row. This equals the column sums of
+    d²Cache's dense product ``R ← Ã_l·R`` (``R₀ = I``), without forming any
+    T×T matrix.
+
+    Args:
+        probs_rows: ``[L, B, Q, T]`` float32/float16/bfloat16, the head-averaged
+            attention rows of the Q recomputed queries of each layer
+            (layer 0 = the first layer).
+        row_idx: ``[L, B, Q]`` int64, each row's token; ``-1`` marks a padding
+            row. The row sets may differ between layers; within one layer of
+            one batch row the non-negative entries must be distinct.
+        valid: ``[B, T]`` bool, the real (non-padding) positions.
+
+    Padding: a row whose token is not valid is ignored (treated as ``-1``),
+    attention entries at invalid key positions are ignored (each used row is
+    renormalised over the valid keys plus its diagonal), and invalid columns
+    get importance 0. So the result is d²Cache's rollout restricted to the
+    valid positions.
+
+    Returns:
+        ``[B, T]`` float32 (accumulated in float64).
+
+    Raises:
+        RuntimeError ``dllm::rollout_scores: ...`` on shape/dtype mismatch, a
+        ``row_idx`` entry outside ``[-1, T)``, a duplicate token within one
+        layer, or a used probability (used row, valid key) that is negative or
+        not finite.
+    """
+    return torch.ops.dllm.rollout_scores.default(probs_rows, row_idx, valid)
+
+
+def nucleus_select(scores: torch.Tensor, candidate: torch.Tensor, p: float, min_k: int = 1) -> torch.Tensor:
+    """Per row, the top-p nucleus of the candidate scores (d²Cache's selection).
+
+    Candidates are ordered by score descending, ties by position ascending.
+    With ``c_k`` the float64 sum of the k largest (added one at a time in that
+    order), the largest k with ``c_k / c_n <= p`` is kept, then raised to
+    ``min_k`` and capped at the number of candidates n. A row whose candidate
+    scores are all zero has cumulative share 0 everywhere and keeps every
+    candidate.
+
+    Args:
+        scores: ``[B, T]`` float32/float16/bfloat16; finite and ``>= 0`` at
+            candidates (other positions are ignored).
+        candidate: ``[B, T]`` bool, the positions that may be selected.
+        p: nucleus mass in ``(0, 1]``.
+        min_k: at least this many candidates are kept (``>= 0``).
+
+    Returns:
+        ``[B, T]`` bool mask, False outside ``candidate``.
+    """
+    return torch.ops.dllm.nucleus_select.default(scores, candidate, float(p), int(min_k))
+
+
+# ---- family: sparse_kv -------------------------------------------------------
+# Index conventions shared by these ops: ``idx [B, Q]`` int64 names rows of a
+# length-T axis; a negative entry is padding (that row is skipped / zero);
+# an entry >= T is an error. On CUDA the index checks read one small error
+# record back to the host (one device sync per call).
+
+
+def rope_scatter_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    idx: torch.Tensor) -> None:
+    """Rotate q in place and write rotated k and raw v into the post-RoPE caches.
+
+    For every token ``(b, j)`` with ``idx[b, j] >= 0``: NeoX rotate-half RoPE at
+    position ``positions[b, j]`` is applied (in fp32, rounded once to the
+    input dtype) to every head of ``q[b, j]`` (in place) and of ``k[b, j]``;
+    the rotated ``k[b, j, h]`` goes to ``k_cache[b, h, idx[b, j]]`` and
+    ``v[b, j, h]`` to ``v_cache[b, h, idx[b, j]]``. Padding tokens
+    (``idx < 0``) are skipped entirely: their q is not rotated and their
+    position is not checked.
+
+    Args:
+        q: ``[B, Q, H, d]``, mutated in place (may be non-contiguous).
+        k, v: ``[B, Q, H_kv, d]``, same dtype as q (fp32/fp16/bf16).
+        positions: ``[B, Q]`` int64 RoPE positions, in ``[0, cos_sin.shape[0])``.
+        cos_sin: ``[max_positions, d]`` fp32 table from :func:`dllm_ops.rope.rope_cos_sin`.
+        k_cache, v_cache: ``[B, H_kv, T, d]``, same dtype, written in place.
+        idx: ``[B, Q]`` int64 cache slots; distinct within a row.
+
+    Raises:
+        RuntimeError ``dllm::rope_scatter_kv: ...`` on a shape/dtype/device
+        mismatch, odd ``d``, ``H`` not a multiple of ``H_kv``, ``idx >= T``, a
+        duplicate ``idx`` in a row, or a position outside the table. All
+        indices are checked before anything is written.
+    """
+    torch.ops.dllm.rope_scatter_kv.default(q, k, v, positions, cos_sin, k_cache, v_cache, idx)
+
+
+def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     key_valid: torch.Tensor | None, scale: float,
+                     return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention of Q selected queries over all T cached keys.
+
+    ``out[b, j, h] = softmax_t(scale * q[b, j, h] . k_cache[b, h // G, t]) @
+    v_cache[b, h // G]`` with ``G = H // H_kv`` (GQA) and keys with
+    ``key_valid[b, t] == False`` excluded. Scores, softmax and sums are fp32.
+
+    Args:
+        q: ``[B, Q, H, d]`` (already RoPE-rotated), fp32/fp16/bf16.
+        k_cache, v_cache: ``[B, H_kv, T, d]``, same dtype; ``d <= 256``.
+        key_valid: ``[B, T]`` bool or None (every key valid).
+        scale: score multiplier, usually ``d ** -0.5``.
+        return_probs: also return the head-averaged probabilities.
+
+    Returns:
+        ``(out, probs_mean)``: ``out [B, Q, H, d]`` in q's dtype; with
+        ``return_probs``, ``probs_mean [B, Q, T]`` float32 = the attention
+        probabilities averaged over the H query heads, exactly 0 on invalid
+        keys, rows summing to 1 (up to fp32 rounding). Without
+        ``return_probs``, ``probs_mean`` is an empty float32 tensor of shape
+        ``[0]``.
+
+        A batch row with no valid key at all has ``out == 0`` and
+        ``probs_mean == 0`` for every query (rather than NaN).
+    """
+    return torch.ops.dllm.sparse_attention.default(q, k_cache, v_cache, key_valid, float(scale),
+                                                   bool(return_probs))
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``out[b, j] = x[b, idx[b, j]]``; rows with ``idx < 0`` are zeros.
+
+    Args:
+        x: ``[B, T, C]`` of any dtype (may be non-contiguous).
+        idx: ``[B, Q]`` int64; repeats are allowed.
+
+    Returns:
+        ``[B, Q, C]`` contiguous, x's dtype.
+    """
+    return torch.ops.dllm.gather_rows.default(x, idx)
+
+
+def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> None:
+    """``dst[b, idx[b, j]] = src[b, j]`` in place; ``idx < 0`` rows are skipped.
+
+    Args:
+        dst: ``[B, T, C]`` (written in place, may be non-contiguous).
+        src: ``[B, Q, C]``, same dtype as dst.
+        idx: ``[B, Q]`` int64, distinct non-negative entries within a row.
+    """
+    torch.ops.dllm.scatter_rows.default(dst, src, idx)

@@ -8,9 +8,281 @@ from __future__ import annotations
 import torch
 
 __all__ = ["cosine_drift"]
+__all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
+            "drift_select_threshold"]  # family: select
+__all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
+__all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 
 
 def cosine_drift(x: torch.Tensor, x_prev: torch.Tensor) -> torch.Tensor:
     """``1 - cos(x, x_prev)`` per row in float64, returned as float32."""
     cos = torch.nn.functional.cosine_similarity(x.double(), x_prev.double(), dim=-1, eps=1e-8)
     return (1.0 - cos).float()
+
+
+# ---- family: select (selection kernels) -------------------------------------
+
+_NEG_INF = float("-inf")
+
+
+def token_confidence(logits: torch.Tensor, mode: str, temperature: float = 0.0,
+                     suppress: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and score from a float64 softmax (see ``dllm_ops.ops.token_confidence``).
+
+    ``log p = (x - m) - log1p(r)``, with ``r = S0 - 1`` summed *without* one max
+    element: torch's own float64 softmax adds ~1e-13 terms onto 1 and loses
+    ~1e-3 of ``1 - p_max`` on confident rows, which would make Dream's entropy
+    off by ~1e-5 relative there.
+    """
+    x = logits.double().clone()
+    if suppress is not None and suppress.numel() > 0:
+        x[:, suppress.long()] = _NEG_INF
+    z = x - x.max(dim=-1, keepdim=True).values
+    w = torch.exp(z)
+    rest = w.scatter(-1, w.argmax(dim=-1, keepdim=True), 0.0).sum(dim=-1, keepdim=True)
+    logp = z - torch.log1p(rest)
+    p = torch.exp(logp)
+    if temperature > 0:
+        # x / T as an elementwise IEEE division (a tensor divisor, never a
+        # reciprocal multiply), then + g; -inf logits stay -inf.
+        y = x / torch.full_like(x, temperature) + noise.double()
+        y = torch.where(x == _NEG_INF, torch.full_like(y, _NEG_INF), y)
+        token = y.argmax(dim=-1)  # first maximal index
+    else:
+        token = p.argmax(dim=-1)
+    if mode == "prob":
+        score = p.gather(-1, token[:, None])[:, 0]
+    elif mode == "margin":
+        if p.shape[-1] >= 2:
+            top = p.topk(2, dim=-1).values
+            score = top[:, 0] - top[:, 1]
+        else:
+            score = p[:, 0]
+    elif mode == "neg_entropy":
+        # Dream's sum p log(p + 1e-10), as p (log p + log1p(1e-10 / p)).
+        term = p * (logp + torch.log1p(1e-10 * torch.exp(-logp)))
+        score = torch.where(p > 0, term, torch.zeros_like(term)).sum(dim=-1)
+    else:
+        raise ValueError(mode)
+    return token, score.float()
+
+
+def _rank(key: torch.Tensor, member: torch.Tensor, descending: bool) -> torch.Tensor:
+    """rank[b, i]: position of i when members come first, ordered by key
+    (descending or ascending), ties by lower index. Two stable sorts."""
+    order = torch.sort(key, dim=1, descending=descending, stable=True).indices
+    outsider = (~member).gather(1, order).to(torch.uint8)
+    order = order.gather(1, torch.sort(outsider, dim=1, stable=True).indices)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(key.shape[1], device=key.device).expand_as(order).contiguous())
+    return rank
+
+
+def select_transfer(score: torch.Tensor, candidate: torch.Tensor, rule: str,
+                    k: torch.Tensor | None = None, threshold: float = 0.9,
+                    factor: float = 1.0) -> torch.Tensor:
+    """Fast-dLLM transfer rules over the candidates (see ``dllm_ops.ops.select_transfer``)."""
+    s = score.double()
+    rank = _rank(s, candidate, descending=True)
+    if rule == "topk":
+        return candidate & (rank < k[:, None])
+    if rule == "threshold":
+        return candidate & ((s >= threshold) | (rank == 0))
+    if rule == "factor":
+        n = candidate.sum(dim=1)
+        pos = torch.arange(s.shape[1], device=s.device)
+        c_sorted = torch.empty_like(s).scatter_(1, rank, s)  # c_sorted[b, rank] = score
+        thr = 1.0 - factor / (pos + 2).double()  # thr for 1-based n = pos + 1
+        thr[0] = -1.0
+        fail = (c_sorted < thr) & (pos < n[:, None])
+        t = torch.where(fail.any(dim=1), fail.int().argmax(dim=1), n)
+        count = torch.where(t >= n - 1, n, torch.where(t == 0, torch.ones_like(t), t))
+        count = torch.where(n == 0, torch.zeros_like(n), count)
+        return candidate & (rank < count[:, None])
+    raise ValueError(rule)
+
+
+def certainty_density(decoded: torch.Tensor, sigma: float, left_known: bool = True,
+                      right_known: bool = False) -> torch.Tensor:
+    """d²Cache's D(i) as a dense float64 sum over the padded row (no window)."""
+    B, G = decoded.shape
+    if G == 0:
+        return torch.empty(B, 0)
+    dev = decoded.device
+    left = torch.full((B, G), float(left_known), dtype=torch.float64, device=dev)
+    right = (decoded[:, -1:] | right_known).double().expand(B, G)
+    marks = torch.cat([left, decoded.double(), right], dim=1)  # column c is j = c - G
+    i = torch.arange(G, device=dev, dtype=torch.float64)[:, None]
+    j = torch.arange(-G, 2 * G, device=dev, dtype=torch.float64)[None, :]
+    kernel = torch.exp(-(i - j) ** 2 / (2 * sigma ** 2))  # [G, 3G]
+    d = torch.arange(-3 * G, 3 * G, device=dev, dtype=torch.float64)
+    z = torch.exp(-d ** 2 / (2 * sigma ** 2)).sum()
+    return (marks @ kernel.T / z).float()
+
+
+def _recompute_outputs(region, reuse, max_recompute):
+    recompute = region & ~reuse
+    count = recompute.sum(dim=1)
+    slot = recompute.long().cumsum(dim=1) - 1
+    keep = recompute & (slot < max_recompute)
+    idx = torch.full((region.shape[0], max_recompute + 1), -1, dtype=torch.int64, device=region.device)
+    pos = torch.arange(region.shape[1], device=region.device).expand_as(slot)
+    idx.scatter_(1, torch.where(keep, slot, max_recompute), torch.where(keep, pos, -1))
+    return reuse, idx[:, :max_recompute].int(), count.int()
+
+
+def drift_select(drift: torch.Tensor, region: torch.Tensor, reuse_fraction: float,
+                 max_recompute: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reuse the floor(rho * n) lowest-drift region tokens (ties: lower index)."""
+    d = drift.double()
+    rank = _rank(d, region, descending=False)
+    n = region.sum(dim=1)
+    reuse_count = torch.floor(reuse_fraction * n.double()).long()
+    return _recompute_outputs(region, region & (rank < reuse_count[:, None]), max_recompute)
+
+
+def drift_select_threshold(drift: torch.Tensor, region: torch.Tensor, threshold: float,
+                           max_recompute: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recompute the region tokens with drift >= threshold."""
+    return _recompute_outputs(region, region & ~(drift.double() >= threshold), max_recompute)
+
+
+# ---- family: rollout ---------------------------------------------------------
+
+
+def rollout_transition(probs_rows: torch.Tensor, row_idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One layer's ``Ã = rownorm(A + I)`` as dense ``[B, T, T]`` float64.
+
+    ``probs_rows [B, Q, T]``, ``row_idx [B, Q]``: ``A`` is the identity with
+    row ``row_idx[b, r]`` replaced by ``probs_rows[b, r]`` (entries at invalid
+    keys zeroed); rows that are padding (-1) or name an invalid position stay
+    ``e_i``. Adding I and renormalising leaves identity rows unchanged.
+    """
+    B, Q, T = probs_rows.shape
+    eye = torch.eye(T, dtype=torch.float64, device=probs_rows.device)
+    A = eye.repeat(B, 1, 1)
+    for b in range(B):
+        idx = row_idx[b]
+        used = (idx >= 0) & valid[b][idx.clamp(min=0)]
+        A[b, idx[used]] = probs_rows[b][used].double() * valid[b].double()
+    A = A + eye
+    return A / A.sum(-1, keepdim=True)
+
+
+def rollout_scores(probs_rows: torch.Tensor, row_idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """d²Cache's dense rollout: ``R ← Ã_l·R`` from ``R₀ = I`` for l = 1..L with
+    float64 T×T matrices, then ``g_j = Σ_i R_ij``; invalid columns get 0.
+    Returned as float32 ``[B, T]`` on the inputs' device. O(L·B·T³): the
+    oracle, not the method.
+    """
+    L, B, Q, T = probs_rows.shape
+    R = torch.eye(T, dtype=torch.float64, device=probs_rows.device).repeat(B, 1, 1)
+    for l in range(L):
+        R = torch.bmm(rollout_transition(probs_rows[l], row_idx[l], valid), R)
+    g = R.sum(dim=1) * valid.double()
+    return g.float()
+
+
+def nucleus_select(scores: torch.Tensor, candidate: torch.Tensor, p: float, min_k: int = 1) -> torch.Tensor:
+    """Top-p nucleus over the candidates of each row, as a bool ``[B, T]`` mask.
+
+    Sorted by score descending, ties by position ascending (a stable sort);
+    ``c = cumsum`` of the sorted float64 scores, one element after another;
+    keep the largest prefix with ``c_k / c_n <= p`` (every candidate when
+    ``c_n == 0``), at least ``min_k``, at most the candidate count.
+    """
+    out = torch.zeros(scores.shape, dtype=torch.bool)
+    for b in range(scores.shape[0]):
+        pos = torch.nonzero(candidate[b].cpu(), as_tuple=True)[0]
+        s = scores[b].cpu().double()[pos]
+        order = torch.sort(s, descending=True, stable=True).indices
+        pos, s = pos[order], s[order]
+        n = len(pos)
+        if n == 0:
+            continue
+        c = torch.cumsum(s, dim=0)  # CPU float64 cumsum adds sequentially
+        k = n if c[-1] == 0 else int((c / c[-1] <= p).sum())
+        k = min(max(k, min_k), n)
+        out[b, pos[:k]] = True
+    return out.to(scores.device)
+
+
+# ---- family: sparse_kv -------------------------------------------------------
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half RoPE of ``x [B, Q, H, d]`` at ``positions [B, Q]``, float64.
+
+    ``cos_sin [P, d]`` is the dllm_ops.rope table: cosines in the first half
+    of a row, sines in the second. ``out = x * cos + rotate_half(x) * sin``
+    with ``rotate_half(x) = cat(-x[d/2:], x[:d/2])`` and the half-size table
+    repeated over both halves, as LLaDA / Dream write it.
+    """
+    d = x.shape[-1]
+    rows = cos_sin.double()[positions.cpu()].to(x.device)  # [B, Q, d]
+    cos = torch.cat([rows[..., : d // 2]] * 2, -1)[:, :, None, :]
+    sin = torch.cat([rows[..., d // 2:]] * 2, -1)[:, :, None, :]
+    xd = x.double()
+    rot = torch.cat([-xd[..., d // 2:], xd[..., : d // 2]], -1)
+    return xd * cos + rot * sin
+
+
+def rope_scatter_kv(q, k, v, positions, cos_sin, k_cache, v_cache, idx) -> None:
+    """In place, like the op: for each token with ``idx[b, j] >= 0``, q rotated,
+    rotated k and raw v written to the caches at slot ``idx[b, j]``. RoPE in
+    float64, rounded once to the dtype. No checks (the oracle trusts its input).
+    """
+    positions = torch.where(idx >= 0, positions, 0)  # padding positions are never read
+    q_rot = apply_rope(q, positions, cos_sin).to(q.dtype)
+    k_rot = apply_rope(k, positions, cos_sin).to(k.dtype)
+    B, Q = idx.shape
+    for b in range(B):
+        for j in range(Q):
+            t = int(idx[b, j])
+            if t < 0:
+                continue
+            q[b, j] = q_rot[b, j]
+            k_cache[b, :, t] = k_rot[b, j]
+            v_cache[b, :, t] = v[b, j]
+
+
+def attention_f64(q, k_cache, v_cache, key_valid, scale):
+    """Dense GQA softmax attention in float64: ``(out [B, Q, H, d], probs [B, H, Q, T])``.
+
+    A batch row with no valid key gives zero outputs and zero probabilities.
+    """
+    B, Q, H, d = q.shape
+    G = H // k_cache.shape[1]
+    k = k_cache.double().repeat_interleave(G, dim=1)  # [B, H, T, d]
+    v = v_cache.double().repeat_interleave(G, dim=1)
+    s = torch.einsum("bqhd,bhtd->bhqt", q.double(), k) * scale
+    if key_valid is not None:
+        s = s.masked_fill(~key_valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
+    out = torch.einsum("bhqt,bhtd->bqhd", p, v)
+    return out, p
+
+
+def sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs):
+    """``(out in q's dtype, probs_mean [B, Q, T] float32 or empty [0])`` from
+    :func:`attention_f64`; probs averaged over the H query heads."""
+    out, p = attention_f64(q, k_cache, v_cache, key_valid, scale)
+    probs = p.mean(dim=1).float() if return_probs else q.new_empty((0,), dtype=torch.float32)
+    return out.to(q.dtype), probs
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``out[b, j] = x[b, idx[b, j]]``, zeros where ``idx < 0``."""
+    out = x.new_zeros((x.shape[0], idx.shape[1], x.shape[2]))
+    for b in range(idx.shape[0]):
+        keep = idx[b] >= 0
+        out[b, keep] = x[b, idx[b, keep]]
+    return out
+
+
+def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> None:
+    """``dst[b, idx[b, j]] = src[b, j]`` in place for ``idx >= 0``."""
+    for b in range(idx.shape[0]):
+        keep = idx[b] >= 0
+        dst[b, idx[b, keep]] = src[b, keep]

@@ -3,6 +3,14 @@
 #pragma once
 
 #include "common/checks.h"
+#include "common/select_math.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
 
 namespace dllm {
 
@@ -16,6 +24,201 @@ inline void check_cosine_drift(const at::Tensor& x, const at::Tensor& x_prev) {
   check_same_shape(x, x_prev, op, "x", "x_prev");
   check_same_device(x, x_prev, op, "x", "x_prev");
   DLLM_CHECK(x.size(-1) > 0, op, "the feature dim D must be > 0, got shape ", x.sizes());
+}
+
+// ---- token_confidence ---------------------------------------------------------
+
+inline math::ConfMode parse_conf_mode(c10::string_view mode) {
+  if (mode == "prob") return math::kConfProb;
+  if (mode == "margin") return math::kConfMargin;
+  if (mode == "neg_entropy") return math::kConfNegEntropy;
+  DLLM_CHECK(false, "token_confidence", "mode must be 'prob', 'margin' or 'neg_entropy', got '",
+             std::string(mode), "'");
+  return math::kConfProb;
+}
+
+// Shapes, dtypes and devices; values (NaN, suppress range) are checked by the
+// kernels, which report through token_confidence_raise.
+inline void check_token_confidence(const at::Tensor& logits, double temperature,
+                                   const std::optional<at::Tensor>& suppress,
+                                   const std::optional<at::Tensor>& noise) {
+  constexpr const char* op = "token_confidence";
+  check_dim(logits, 2, op, "logits ([N, V])");
+  check_floating(logits, op, "logits");
+  DLLM_CHECK(logits.size(1) > 0, op, "the vocabulary dim V must be > 0, got shape ",
+             logits.sizes());
+  DLLM_CHECK(logits.size(1) < INT32_MAX, op, "V must be < 2^31 - 1, got ", logits.size(1));
+  DLLM_CHECK(std::isfinite(temperature) && temperature >= 0, op,
+             "temperature must be finite and >= 0, got ", temperature);
+  if (suppress) {
+    check_dtype(*suppress, at::kLong, op, "suppress");
+    check_dim(*suppress, 1, op, "suppress");
+    check_same_device(logits, *suppress, op, "logits", "suppress");
+  }
+  if (temperature > 0) {
+    DLLM_CHECK(noise.has_value(), op,
+               "temperature > 0 needs the Gumbel noise `noise` (same shape as logits)");
+  } else {
+    DLLM_CHECK(!noise.has_value(), op,
+               "noise is given but temperature is 0 (greedy); pass noise=None or a temperature > 0");
+  }
+  if (noise) {
+    check_dtype(*noise, at::kFloat, op, "noise");
+    check_same_shape(logits, *noise, op, "logits", "noise");
+    check_same_device(logits, *noise, op, "logits", "noise");
+  }
+}
+
+// Error path (never taken on valid input): says which id / row is bad and why.
+// Runs on CPU copies, so the CPU and CUDA backends raise the same message.
+[[noreturn]] inline void token_confidence_raise(const at::Tensor& logits,
+                                                const std::optional<at::Tensor>& suppress,
+                                                const std::optional<at::Tensor>& noise,
+                                                const at::Tensor& score) {
+  constexpr const char* op = "token_confidence";
+  const int64_t V = logits.size(1);
+  at::Tensor ids;
+  if (suppress) {
+    ids = suppress->cpu();
+    const auto bad = at::logical_or(ids.lt(0), ids.ge(V)).nonzero();
+    DLLM_CHECK(bad.size(0) == 0, op, "suppress ids must be in [0, V) = [0, ", V, "), got ",
+               ids[bad[0][0].item<int64_t>()].item<int64_t>());
+  }
+  const auto rows = score.isnan().nonzero();
+  DLLM_CHECK(rows.size(0) > 0, op, "internal error: a kernel flagged bad input but no row is bad");
+  const int64_t r = rows[0][0].item<int64_t>();
+  auto x = logits[r].to(at::kCPU, at::kFloat).clone();
+  if (suppress) x.index_fill_(0, ids, -std::numeric_limits<float>::infinity());
+  DLLM_CHECK(!x.isnan().any().item<bool>(), op, "logits row ", r,
+             " contains NaN (at an id that is not suppressed)");
+  DLLM_CHECK(!x.isposinf().any().item<bool>(), op, "logits row ", r,
+             " contains +inf (softmax is undefined)");
+  DLLM_CHECK(x.isfinite().any().item<bool>(), op, "logits row ", r,
+             " has no finite logit (every id is -inf or suppressed)");
+  if (noise) {
+    const auto g = (*noise)[r].cpu();
+    DLLM_CHECK(!at::logical_and(g.isnan(), x.isfinite()).any().item<bool>(), op, "noise row ",
+               r, " contains NaN");
+  }
+  DLLM_CHECK(false, op, "logits row ", r, " is invalid");
+  __builtin_unreachable();
+}
+
+// ---- select_transfer ----------------------------------------------------------
+
+inline math::TransferRule parse_transfer_rule(c10::string_view rule) {
+  if (rule == "topk") return math::kRuleTopk;
+  if (rule == "threshold") return math::kRuleThreshold;
+  if (rule == "factor") return math::kRuleFactor;
+  DLLM_CHECK(false, "select_transfer", "rule must be 'topk', 'threshold' or 'factor', got '",
+             std::string(rule), "'");
+  return math::kRuleTopk;
+}
+
+inline void check_select_transfer(const at::Tensor& score, const at::Tensor& candidate,
+                                  math::TransferRule rule, const std::optional<at::Tensor>& k,
+                                  double threshold, double factor) {
+  constexpr const char* op = "select_transfer";
+  check_dim(score, 2, op, "score ([B, L])");
+  check_floating(score, op, "score");
+  check_dtype(candidate, at::kBool, op, "candidate");
+  check_same_shape(score, candidate, op, "score", "candidate");
+  check_same_device(score, candidate, op, "score", "candidate");
+  DLLM_CHECK(score.size(1) < INT32_MAX, op, "L must be < 2^31 - 1, got ", score.size(1));
+  if (rule == math::kRuleTopk) {
+    DLLM_CHECK(k.has_value(), op, "rule 'topk' needs k (int64 [B])");
+    check_dtype(*k, at::kLong, op, "k");
+    check_dim(*k, 1, op, "k");
+    DLLM_CHECK(k->size(0) == score.size(0), op, "k must have B = ", score.size(0),
+               " entries, got ", k->size(0));
+    check_same_device(score, *k, op, "score", "k");
+  } else {
+    DLLM_CHECK(!k.has_value(), op, "k is only used by rule 'topk'");
+  }
+  if (rule == math::kRuleThreshold)
+    DLLM_CHECK(!std::isnan(threshold), op, "threshold must not be NaN");
+  if (rule == math::kRuleFactor)
+    DLLM_CHECK(std::isfinite(factor), op, "factor must be finite, got ", factor);
+}
+
+// Status bits the select_transfer kernels report.
+constexpr int kTransferBadK = 1;
+constexpr int kTransferNaN = 2;
+
+[[noreturn]] inline void select_transfer_raise(const at::Tensor& score,
+                                               const at::Tensor& candidate,
+                                               const std::optional<at::Tensor>& k) {
+  constexpr const char* op = "select_transfer";
+  const auto cand = candidate.cpu();
+  if (k) {
+    const auto kc = k->cpu();
+    const auto n = cand.sum(1);
+    const auto neg = kc.lt(0).nonzero();
+    if (neg.size(0) > 0) {
+      const int64_t b = neg[0][0].item<int64_t>();
+      DLLM_CHECK(false, op, "k[", b, "] = ", kc[b].item<int64_t>(), " is negative");
+    }
+    const auto big = kc.gt(n).nonzero();
+    if (big.size(0) > 0) {
+      const int64_t b = big[0][0].item<int64_t>();
+      DLLM_CHECK(false, op, "k[", b, "] = ", kc[b].item<int64_t>(), " is larger than the ",
+                 n[b].item<int64_t>(), " candidates of row ", b);
+    }
+  }
+  const auto nan = at::logical_and(score.cpu().isnan(), cand).nonzero();
+  if (nan.size(0) > 0) {
+    DLLM_CHECK(false, op, "score is NaN at a candidate position (row ",
+               nan[0][0].item<int64_t>(), ", position ", nan[0][1].item<int64_t>(), ")");
+  }
+  DLLM_CHECK(false, op, "internal error: a kernel flagged bad input that the host cannot find");
+  __builtin_unreachable();
+}
+
+// ---- certainty_density ---------------------------------------------------------
+
+inline void check_certainty_density(const at::Tensor& decoded, double sigma) {
+  constexpr const char* op = "certainty_density";
+  check_dim(decoded, 2, op, "decoded ([B, G])");
+  check_dtype(decoded, at::kBool, op, "decoded");
+  DLLM_CHECK(std::isfinite(sigma) && sigma > 0, op, "sigma must be finite and > 0, got ", sigma);
+  DLLM_CHECK(decoded.size(1) < INT32_MAX / 4, op, "G must be < 2^29, got ", decoded.size(1));
+}
+
+// ---- drift_select / drift_select_threshold ---------------------------------------
+
+inline void check_drift_select(const char* op, const at::Tensor& drift, const at::Tensor& region,
+                               int64_t max_recompute) {
+  check_dim(drift, 2, op, "drift ([B, T])");
+  check_floating(drift, op, "drift");
+  check_dtype(region, at::kBool, op, "region");
+  check_same_shape(drift, region, op, "drift", "region");
+  check_same_device(drift, region, op, "drift", "region");
+  DLLM_CHECK(drift.size(1) < INT32_MAX, op, "T must be < 2^31 - 1, got ", drift.size(1));
+  DLLM_CHECK(max_recompute >= 0 && max_recompute < INT32_MAX, op,
+             "max_recompute must be in [0, 2^31 - 1), got ", max_recompute);
+}
+
+// Status bits the drift_select kernels report.
+constexpr int kDriftNaN = 1;
+constexpr int kDriftOverflow = 2;
+
+[[noreturn]] inline void drift_select_raise(const char* op, const at::Tensor& drift,
+                                            const at::Tensor& region, const at::Tensor& count,
+                                            int64_t max_recompute) {
+  const auto nan = at::logical_and(drift.cpu().isnan(), region.cpu()).nonzero();
+  if (nan.size(0) > 0) {
+    DLLM_CHECK(false, op, "drift is NaN at a region position (row ", nan[0][0].item<int64_t>(),
+               ", position ", nan[0][1].item<int64_t>(), ")");
+  }
+  const auto cnt = count.cpu();
+  const auto over = cnt.gt(max_recompute).nonzero();
+  if (over.size(0) > 0) {
+    const int64_t b = over[0][0].item<int64_t>();
+    DLLM_CHECK(false, op, "row ", b, " has ", cnt[b].item<int64_t>(),
+               " tokens to recompute but max_recompute is ", max_recompute);
+  }
+  DLLM_CHECK(false, op, "internal error: a kernel flagged bad input that the host cannot find");
+  __builtin_unreachable();
 }
 
 }  // namespace dllm

@@ -1,6 +1,7 @@
 // ATen-free CUDA kernels of the `select` family.
 #pragma once
 
+#include "common/select_math.h"
 #include "cuda/device_utils.cuh"
 
 namespace dllm {
@@ -45,6 +46,487 @@ void launch_cosine_drift(const T* x, const T* y, float* out, int64_t rows, int64
   const int threads = row_block_threads(D);
   DLLM_LAUNCH(cosine_drift_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(threads), 0, stream,
               x, y, out, D);
+}
+
+// ============================================================================
+// Block helpers of the selection kernels (blockDim: a power of two, 32..512)
+// ============================================================================
+
+constexpr int kSelectMaxThreads = 512;
+constexpr int kRankTile = 1024;  // keys staged in shared memory per rank round
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int warp_min_int(int v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// 64-bit min as two 32-bit shuffles (the high and low words move together).
+__device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const unsigned hi = __shfl_xor_sync(kFullMask, static_cast<unsigned>(v >> 32), o);
+    const unsigned lo = __shfl_xor_sync(kFullMask, static_cast<unsigned>(v & 0xffffffffu), o);
+    const unsigned long long other = (static_cast<unsigned long long>(hi) << 32) | lo;
+    v = other < v ? other : v;
+  }
+  return v;
+}
+
+// Block-wide sum / min; every thread gets the result. `scratch` holds kWarp
+// entries; the leading barrier protects it from a previous call's readers.
+__device__ __forceinline__ int block_sum_int(int v, int* scratch) {
+  v = warp_sum_int(v);
+  __syncthreads();
+  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  int total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) total += scratch[w];
+  return total;
+}
+
+__device__ __forceinline__ int block_min_int(int v, int* scratch) {
+  v = warp_min_int(v);
+  __syncthreads();
+  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  int m = scratch[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) m = min(m, scratch[w]);
+  return m;
+}
+
+__device__ __forceinline__ unsigned long long block_min_u64(unsigned long long v,
+                                                            unsigned long long* scratch) {
+  v = warp_min_u64(v);
+  __syncthreads();
+  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  unsigned long long m = scratch[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) m = scratch[w] < m ? scratch[w] : m;
+  return m;
+}
+
+__device__ __forceinline__ float block_sum_float(float v, float* scratch) {
+  v = warp_sum(v);
+  __syncthreads();
+  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) total += scratch[w];
+  return total;
+}
+
+// Exclusive prefix sum of one int per thread (in thread order); *total gets
+// the block's sum.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < kWarp; o *= 2) {
+    const int up = __shfl_up_sync(kFullMask, incl, o);
+    if (lane >= o) incl += up;
+  }
+  __syncthreads();
+  if (lane == kWarp - 1) scratch[warp] = incl;
+  __syncthreads();
+  int before = 0, sum = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) {
+    if (w < warp) before += scratch[w];
+    sum += scratch[w];
+  }
+  *total = sum;
+  return before + incl - v;
+}
+
+// Ranks the members of a row under a strict total order: for every position
+// i < L (thread i % blockDim, in rounds of blockDim), calls
+// on_rank(i, member, rank) with rank = number of members with a smaller key.
+// key_of(i) is the member's key, or math::kNoKey for a non-member (keys embed
+// the index, so they are distinct). O(L^2 / blockDim) compares through a
+// shared tile of kRankTile keys; the rows these ops see have L <= a few
+// thousand.
+template <typename KeyOf, typename OnRank>
+__device__ void block_rank(int32_t L, KeyOf key_of, OnRank on_rank, unsigned long long* tile) {
+  for (int32_t base = 0; base < L; base += blockDim.x) {
+    const int32_t i = base + static_cast<int32_t>(threadIdx.x);
+    const unsigned long long mine = i < L ? key_of(i) : math::kNoKey;
+    int32_t rank = 0;
+    for (int32_t t0 = 0; t0 < L; t0 += kRankTile) {
+      const int32_t tn = min(kRankTile, L - t0);
+      __syncthreads();  // the previous tile is no longer read
+      for (int32_t j = threadIdx.x; j < tn; j += blockDim.x) tile[j] = key_of(t0 + j);
+      __syncthreads();
+      if (mine != math::kNoKey)
+        for (int32_t j = 0; j < tn; ++j) rank += tile[j] < mine ? 1 : 0;
+    }
+    if (i < L) on_rank(i, mine != math::kNoKey, rank);
+  }
+}
+
+// ============================================================================
+// token_confidence: one block per row
+// ============================================================================
+// Each thread folds groups of kConfUnroll logits (strided by blockDim, so
+// loads coalesce) into a SoftmaxTop (and a NoisyArgmax when sampling); the
+// partial states merge in a shared-memory tree. neg_entropy then re-reads
+// the row once for Dream's +1e-10 term (see select_math.h).
+
+constexpr int kConfUnroll = 4;
+
+inline int confidence_block_threads(int64_t V) { return V <= 2048 ? 128 : kSelectMaxThreads; }
+
+// Marks the suppressed ids in a V-bit mask; an id outside [0, V) sets
+// status bit 2 and is skipped.
+__global__ void suppress_bits_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t V,
+                                     unsigned* __restrict__ bits, int* __restrict__ status) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t id = ids[j];
+    if (id < 0 || id >= V) {
+      atomicOr(status, 2);
+      continue;
+    }
+    atomicOr(&bits[id >> 5], 1u << (id & 31));
+  }
+}
+
+inline void launch_suppress_bits(const int64_t* ids, int64_t n, int64_t V, unsigned* bits,
+                                 int* status, stream_t stream) {
+  if (n == 0) return;
+  const int threads = 128;
+  const int64_t blocks = (n + threads - 1) / threads;
+  DLLM_LAUNCH(suppress_bits_kernel, dim3(static_cast<unsigned>(blocks < 1024 ? blocks : 1024)),
+              dim3(threads), 0, stream, ids, n, V, bits, status);
+}
+
+template <typename T, int kMode, bool kNoisy>
+__global__ void token_confidence_kernel(const T* __restrict__ logits, int64_t ld, int32_t V,
+                                        double temperature, const float* __restrict__ noise,
+                                        int64_t nld, const unsigned* __restrict__ suppress_bits,
+                                        int64_t* __restrict__ token, float* __restrict__ score,
+                                        int* __restrict__ status) {
+  __shared__ math::SoftmaxTop states[kSelectMaxThreads];
+  __shared__ math::NoisyArgmax noisy[kNoisy ? kSelectMaxThreads : 1];
+  __shared__ float warp_part[kWarp];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * ld;
+  const float* g = kNoisy ? noise + row * nld : nullptr;
+  const int tid = threadIdx.x, nt = blockDim.x;
+
+  math::SoftmaxTop st = math::softmax_top_empty();
+  math::NoisyArgmax na = math::noisy_argmax_empty();
+  for (int32_t base = 0; base < V; base += nt * kConfUnroll) {
+    float v[kConfUnroll];
+    float gmax = -INFINITY, g2 = -INFINITY;
+    int32_t gidx = INT32_MAX;
+#pragma unroll
+    for (int u = 0; u < kConfUnroll; ++u) {
+      const int32_t i = base + u * nt + tid;
+      float xv = -INFINITY;
+      if (i < V) {
+        xv = to_float(x[i]);
+        if (suppress_bits != nullptr && ((suppress_bits[i >> 5] >> (i & 31)) & 1u)) xv = -INFINITY;
+        if (xv != xv || xv == INFINITY) {
+          st.bad = 1;
+          xv = -INFINITY;
+        }
+        if (kNoisy) {
+          const float gi = g[i];
+          if (xv != -INFINITY && gi != gi) st.bad = 1;
+          math::noisy_argmax_add(na, math::gumbel_perturb(xv, gi, temperature), i, xv);
+        }
+      }
+      v[u] = xv;
+      if (xv > gmax) {  // group top-2; the first index of the max
+        g2 = gmax;
+        gmax = xv;
+        gidx = i;
+      } else if (xv > g2) {
+        g2 = xv;
+      }
+    }
+    const bool excluded = math::softmax_top_absorb(st, gmax, gidx, g2);
+    float r = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int u = 0; u < kConfUnroll; ++u) {
+      if (excluded && base + u * nt + tid == gidx) continue;  // the implicit 1 of S0
+      const float z = math::softmax_shift(v[u], st.m);
+      const float w = expf(z);
+      r += w;
+      if (kMode == math::kConfNegEntropy) s1 += z * w;
+    }
+    math::softmax_top_add(st, r, s1);
+  }
+
+  states[tid] = st;
+  if (kNoisy) noisy[tid] = na;
+  __syncthreads();
+  for (int half = nt / 2; half > 0; half /= 2) {
+    if (tid < half) {
+      states[tid] = math::softmax_top_merge(states[tid], states[tid + half]);
+      if (kNoisy) noisy[tid] = math::noisy_argmax_merge(noisy[tid], noisy[tid + half]);
+    }
+    __syncthreads();
+  }
+  const math::SoftmaxTop total = math::softmax_top_folded(states[0]);
+
+  float eps_sum = 0.f;
+  if (kMode == math::kConfNegEntropy && math::softmax_top_ok(total)) {  // uniform over the block
+    const float inv_s0 = math::softmax_top_inv_s0(total);
+    const float log_eps_s0 = math::neg_entropy_log_eps_s0(total);
+    float part = 0.f, comp = 0.f;
+    for (int32_t i = tid; i < V; i += nt) {
+      if (suppress_bits != nullptr && ((suppress_bits[i >> 5] >> (i & 31)) & 1u)) continue;
+      const float xv = to_float(x[i]);
+      if (xv == -INFINITY) continue;
+      math::kahan_add(part, comp, math::neg_entropy_eps_term(xv - total.m, inv_s0, log_eps_s0));
+    }
+    eps_sum = block_sum_float(part - comp, warp_part);
+  }
+  if (tid == 0) {
+    const math::NoisyArgmax best = kNoisy ? noisy[0] : math::noisy_argmax_empty();
+    token[row] = math::confidence_token(total, kNoisy, best);
+    score[row] = math::confidence_score(total, kMode, kNoisy, best, eps_sum);
+    if (!math::softmax_top_ok(total)) atomicOr(status, 1);
+  }
+}
+
+template <typename T, int kMode, bool kNoisy>
+void launch_token_confidence_t(const T* logits, int64_t ld, int64_t N, int32_t V,
+                               double temperature, const float* noise, int64_t nld,
+                               const unsigned* suppress_bits, int64_t* token, float* score,
+                               int* status, stream_t stream) {
+  const auto kernel = token_confidence_kernel<T, kMode, kNoisy>;
+  DLLM_LAUNCH(kernel, dim3(static_cast<unsigned>(N)), dim3(confidence_block_threads(V)), 0, stream,
+              logits, ld, V, temperature, noise, nld, suppress_bits, token, score, status);
+}
+
+// token_confidence over N rows of V logits (row stride ld; noise row stride
+// nld, noise == nullptr for greedy). status |= 1 when a row is unusable.
+template <typename T>
+void launch_token_confidence(const T* logits, int64_t ld, int64_t N, int32_t V, int mode,
+                             double temperature, const float* noise, int64_t nld,
+                             const unsigned* suppress_bits, int64_t* token, float* score,
+                             int* status, stream_t stream) {
+  if (N == 0) return;
+  const bool noisy = noise != nullptr;
+#define DLLM_CONF_CASE(MODE)                                                                  \
+  if (mode == MODE) {                                                                        \
+    if (noisy)                                                                               \
+      launch_token_confidence_t<T, MODE, true>(logits, ld, N, V, temperature, noise, nld,    \
+                                               suppress_bits, token, score, status, stream); \
+    else                                                                                     \
+      launch_token_confidence_t<T, MODE, false>(logits, ld, N, V, temperature, noise, nld,   \
+                                                suppress_bits, token, score, status, stream); \
+    return;                                                                                  \
+  }
+  DLLM_CONF_CASE(math::kConfProb)
+  DLLM_CONF_CASE(math::kConfMargin)
+  DLLM_CONF_CASE(math::kConfNegEntropy)
+#undef DLLM_CONF_CASE
+}
+
+// ============================================================================
+// select_transfer: one block per row
+// ============================================================================
+// Status bits: 1 = k out of [0, n], 2 = NaN score at a candidate (the row's
+// output is then all false and the host raises).
+
+inline int rank_block_threads(int64_t L) { return L <= 128 ? 32 : (L <= 2048 ? 128 : 256); }
+
+template <typename T>
+__global__ void select_transfer_kernel(const T* __restrict__ score, const bool* __restrict__ cand,
+                                       int32_t L, int rule, const int64_t* __restrict__ k,
+                                       double threshold, double factor, bool* __restrict__ out,
+                                       int32_t* __restrict__ rank_scratch,
+                                       int* __restrict__ status) {
+  __shared__ unsigned long long tile[kRankTile];
+  __shared__ unsigned long long key_scratch[kWarp];
+  __shared__ int scratch[kWarp];
+  const int64_t row = blockIdx.x;
+  const T* s = score + row * L;
+  const bool* c = cand + row * L;
+  bool* o = out + row * L;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  auto key_of = [&](int32_t i) -> unsigned long long {
+    return c[i] ? math::descending_key(to_float(s[i]), i) : math::kNoKey;
+  };
+
+  int n_local = 0, nan_local = 0;
+  for (int32_t i = tid; i < L; i += nt) {
+    if (!c[i]) continue;
+    ++n_local;
+    const float v = to_float(s[i]);
+    if (v != v) nan_local = 1;
+  }
+  const int n = block_sum_int(n_local, scratch);
+  const int nan = block_sum_int(nan_local, scratch);
+  int fail = nan ? 2 : 0;
+  if (!fail && rule == math::kRuleTopk && (k[row] < 0 || k[row] > n)) fail = 1;
+  if (fail) {  // uniform over the block
+    for (int32_t i = tid; i < L; i += nt) o[i] = false;
+    if (tid == 0) atomicOr(status, fail);
+    return;
+  }
+
+  if (rule == math::kRuleThreshold) {
+    unsigned long long best = math::kNoKey;
+    for (int32_t i = tid; i < L; i += nt) {
+      const unsigned long long key = key_of(i);
+      best = key < best ? key : best;
+    }
+    best = block_min_u64(best, key_scratch);
+    for (int32_t i = tid; i < L; i += nt)
+      o[i] = c[i] && (static_cast<double>(to_float(s[i])) >= threshold || key_of(i) == best);
+    return;
+  }
+  if (rule == math::kRuleTopk) {
+    const int64_t kb = k[row];
+    block_rank(L, key_of, [&](int32_t i, bool member, int32_t rank) { o[i] = member && rank < kb; },
+               tile);
+    return;
+  }
+  // factor: ranks first, then the first failing rank, then the commit count.
+  int32_t* rk = rank_scratch + row * L;
+  int first_fail = INT32_MAX;
+  block_rank(
+      L, key_of,
+      [&](int32_t i, bool member, int32_t rank) {
+        rk[i] = member ? rank : INT32_MAX;
+        if (member && static_cast<double>(to_float(s[i])) < math::factor_threshold(rank, factor))
+          first_fail = min(first_fail, rank);
+      },
+      tile);
+  const int t = block_min_int(first_fail, scratch);
+  const int64_t count = math::factor_commit_count(t == INT32_MAX ? n : t, n);
+  for (int32_t base = 0; base < L; base += nt) {  // the same thread <-> i map as block_rank
+    const int32_t i = base + tid;
+    if (i < L) o[i] = rk[i] < count;
+  }
+}
+
+template <typename T>
+void launch_select_transfer(const T* score, const bool* cand, int64_t B, int32_t L, int rule,
+                            const int64_t* k, double threshold, double factor, bool* out,
+                            int32_t* rank_scratch, int* status, stream_t stream) {
+  if (B == 0 || L == 0) return;
+  DLLM_LAUNCH(select_transfer_kernel<T>, dim3(static_cast<unsigned>(B)), dim3(rank_block_threads(L)),
+              0, stream, score, cand, L, rule, k, threshold, factor, out, rank_scratch, status);
+}
+
+// ============================================================================
+// certainty_density: one thread per output
+// ============================================================================
+
+constexpr int kDensityThreads = 128;
+
+__global__ void certainty_density_kernel(const bool* __restrict__ decoded, int32_t G, int32_t W,
+                                         double inv_two_sigma2, double inv_z, bool left_known,
+                                         bool right_known, float* __restrict__ out) {
+  const int64_t row = blockIdx.x;
+  const int32_t i = blockIdx.y * kDensityThreads + threadIdx.x;
+  if (i >= G) return;  // no barriers in this kernel
+  const bool* d = decoded + row * G;
+  const bool right = right_known || d[G - 1];
+  out[row * G + i] = static_cast<float>(
+      math::density_sum(i, G, d, left_known, right, W, nullptr, inv_two_sigma2) * inv_z);
+}
+
+inline void launch_certainty_density(const bool* decoded, int64_t B, int32_t G, double sigma,
+                                     bool left_known, bool right_known, float* out,
+                                     stream_t stream) {
+  if (B == 0 || G == 0) return;
+  const int32_t W = static_cast<int32_t>(math::density_window(sigma, G));
+  const double inv_z = 1.0 / math::density_normaliser(G, sigma);
+  const unsigned chunks = static_cast<unsigned>((G + kDensityThreads - 1) / kDensityThreads);
+  DLLM_LAUNCH(certainty_density_kernel, dim3(static_cast<unsigned>(B), chunks), dim3(kDensityThreads),
+              0, stream, decoded, G, W, 1.0 / (2.0 * sigma * sigma), inv_z, left_known, right_known,
+              out);
+}
+
+// ============================================================================
+// drift_select / drift_select_threshold: one block per row
+// ============================================================================
+// Status bits: 1 = NaN drift in the region (the row's outputs are then
+// empty), 2 = more recomputed tokens than max_recompute.
+
+template <typename T>
+__global__ void drift_select_kernel(const T* __restrict__ drift, const bool* __restrict__ region,
+                                    int32_t Tn, bool by_fraction, double param,
+                                    int32_t max_recompute, bool* __restrict__ reuse,
+                                    int32_t* __restrict__ idx, int32_t* __restrict__ count,
+                                    int* __restrict__ status) {
+  __shared__ unsigned long long tile[kRankTile];
+  __shared__ int scratch[kWarp];
+  const int64_t row = blockIdx.x;
+  const T* d = drift + row * Tn;
+  const bool* r = region + row * Tn;
+  bool* u = reuse + row * Tn;
+  int32_t* ix = idx + row * static_cast<int64_t>(max_recompute);
+  const int tid = threadIdx.x, nt = blockDim.x;
+
+  int n_local = 0, nan_local = 0;
+  for (int32_t i = tid; i < Tn; i += nt) {
+    if (!r[i]) continue;
+    ++n_local;
+    const float v = to_float(d[i]);
+    if (v != v) nan_local = 1;
+  }
+  const int n = block_sum_int(n_local, scratch);
+  if (block_sum_int(nan_local, scratch)) {  // uniform over the block
+    for (int32_t i = tid; i < Tn; i += nt) u[i] = false;
+    for (int32_t p = tid; p < max_recompute; p += nt) ix[p] = -1;
+    if (tid == 0) {
+      count[row] = 0;
+      atomicOr(status, 1);
+    }
+    return;
+  }
+
+  if (by_fraction) {
+    const int64_t keep = math::drift_reuse_count(param, n);
+    auto key_of = [&](int32_t i) -> unsigned long long {
+      return r[i] ? math::ascending_key(to_float(d[i]), i) : math::kNoKey;
+    };
+    block_rank(Tn, key_of, [&](int32_t i, bool member, int32_t rank) { u[i] = member && rank < keep; },
+               tile);
+  } else {
+    for (int32_t base = 0; base < Tn; base += nt) {
+      const int32_t i = base + tid;
+      if (i < Tn) u[i] = r[i] && !(static_cast<double>(to_float(d[i])) >= param);
+    }
+  }
+
+  // Ordered compaction of region & !reuse (each thread re-reads its own u[i]).
+  int32_t offset = 0;
+  for (int32_t base = 0; base < Tn; base += nt) {
+    const int32_t i = base + tid;
+    const int flag = (i < Tn && r[i] && !u[i]) ? 1 : 0;
+    int total;
+    const int32_t pos = offset + block_exclusive_scan(flag, scratch, &total);
+    if (flag && pos < max_recompute) ix[pos] = i;
+    offset += total;
+  }
+  for (int32_t p = offset + tid; p < max_recompute; p += nt) ix[p] = -1;
+  if (tid == 0) {
+    count[row] = offset;
+    if (offset > max_recompute) atomicOr(status, 2);
+  }
+}
+
+template <typename T>
+void launch_drift_select(const T* drift, const bool* region, int64_t B, int32_t Tn,
+                         bool by_fraction, double param, int32_t max_recompute, bool* reuse,
+                         int32_t* idx, int32_t* count, int* status, stream_t stream) {
+  if (B == 0) return;
+  DLLM_LAUNCH(drift_select_kernel<T>, dim3(static_cast<unsigned>(B)), dim3(rank_block_threads(Tn)), 0,
+              stream, drift, region, Tn, by_fraction, param, max_recompute, reuse, idx, count, status);
 }
 
 }  // namespace cuda

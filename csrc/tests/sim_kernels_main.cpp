@@ -4,7 +4,10 @@
 // under ThreadSanitizer (threads engine) and ASan/UBSan (fiber engine), which
 // cannot be loaded into a Python process. Exit status 0 = all passed.
 #include "cuda/select.cuh"
+#include "cuda/rollout.cuh"
+#include "cuda/sparse_kv.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -48,7 +51,333 @@ static void test_cosine_drift(const char* name, int rows, int D, double tol) {
   }
 }
 
+// ---- family: rollout -------------------------------------------------------
+
+// Dense d²Cache rollout on the host: R ← Ã_l·R over T×T double matrices.
+template <typename T>
+static std::vector<double> dense_rollout(const std::vector<T>& probs, const std::vector<int64_t>& idx,
+                                         const std::vector<char>& valid, int L, int B, int Q, int Tn) {
+  std::vector<double> g(size_t(B) * Tn, 0.0);
+  for (int b = 0; b < B; ++b) {
+    std::vector<double> R(size_t(Tn) * Tn, 0.0), At(size_t(Tn) * Tn), next(size_t(Tn) * Tn);
+    for (int i = 0; i < Tn; ++i) R[size_t(i) * Tn + i] = 1.0;
+    for (int l = 0; l < L; ++l) {
+      std::fill(At.begin(), At.end(), 0.0);
+      for (int i = 0; i < Tn; ++i) At[size_t(i) * Tn + i] = 1.0;
+      for (int r = 0; r < Q; ++r) {
+        const int64_t i = idx[(size_t(l) * B + b) * Q + r];
+        if (i < 0 || !valid[size_t(b) * Tn + i]) continue;
+        double s = 1.0;
+        for (int j = 0; j < Tn; ++j) {
+          const double a = valid[size_t(b) * Tn + j]
+                               ? double(dllm::cuda::to_float(probs[((size_t(l) * B + b) * Q + r) * Tn + j]))
+                               : 0.0;
+          At[size_t(i) * Tn + j] = a + (j == i ? 1.0 : 0.0);
+          s += a;
+        }
+        for (int j = 0; j < Tn; ++j) At[size_t(i) * Tn + j] /= s;
+      }
+      for (int i = 0; i < Tn; ++i)
+        for (int j = 0; j < Tn; ++j) {
+          double acc = 0.0;
+          for (int k = 0; k < Tn; ++k) acc += At[size_t(i) * Tn + k] * R[size_t(k) * Tn + j];
+          next[size_t(i) * Tn + j] = acc;
+        }
+      R.swap(next);
+    }
+    for (int j = 0; j < Tn; ++j) {
+      double col = 0.0;
+      for (int i = 0; i < Tn; ++i) col += R[size_t(i) * Tn + j];
+      g[size_t(b) * Tn + j] = valid[size_t(b) * Tn + j] ? col : 0.0;
+    }
+  }
+  return g;
+}
+
+// Random distinct rows per (layer, batch), one padding row, the first `pad`
+// positions of batch row 1 invalid; `dup` plants a duplicate token.
+template <typename T>
+static void test_rollout_scores(const char* name, int L, int B, int Q, int Tn, int pad, bool dup) {
+  std::mt19937 rng(L * 7919 + Q * 31 + Tn);
+  std::uniform_real_distribution<float> u01;
+  std::vector<T> probs(size_t(L) * B * Q * Tn);
+  std::vector<int64_t> idx(size_t(L) * B * Q);
+  std::vector<char> valid(size_t(B) * Tn, 1);
+  for (int b = 1; b < B; ++b)
+    for (int j = 0; j < pad && j < Tn; ++j) valid[size_t(b) * Tn + j] = 0;
+  std::vector<int64_t> perm(Tn);
+  for (int lb = 0; lb < L * B; ++lb) {
+    for (int j = 0; j < Tn; ++j) perm[j] = j;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int r = 0; r < Q; ++r) idx[size_t(lb) * Q + r] = (r == Q - 1 && Q > 2) ? -1 : perm[r];
+    for (int r = 0; r < Q; ++r) {
+      float sum = 0.f;
+      std::vector<float> row(Tn);
+      for (int j = 0; j < Tn; ++j) sum += row[j] = u01(rng) * u01(rng);
+      for (int j = 0; j < Tn; ++j) probs[(size_t(lb) * Q + r) * Tn + j] = cast_from_float<T>(row[j] / sum);
+    }
+  }
+  if (dup) idx[1] = idx[0];
+  const auto sz = dllm::cuda::rollout_scratch_sizes(L, B, Q, Tn);
+  std::vector<double> v(sz.v), row_sum(sz.row_sum), partial(sz.partial);
+  std::vector<int> inv(sz.inv);
+  int status = 0;
+  std::vector<float> out(size_t(B) * Tn, -1.f);
+  // std::vector<char> holds the bool mask: same size and values as bool.
+  const bool* vp = reinterpret_cast<const bool*>(valid.data());
+  dllm::cuda::launch_rollout_scores(probs.data(), idx.data(), vp, out.data(), L, B, Q, Tn,
+                                    {v.data(), row_sum.data(), inv.data(), partial.data()},
+                                    &status, nullptr);
+  if (dup) {
+    if (status != dllm::math::kRolloutDuplicateRow) {
+      std::fprintf(stderr, "FAIL %s: duplicate row gave status %d\n", name, status);
+      ++g_failures;
+    }
+    return;
+  }
+  if (status != 0) {
+    std::fprintf(stderr, "FAIL %s: status %d on valid input\n", name, status);
+    ++g_failures;
+  }
+  const auto want = dense_rollout(probs, idx, valid, L, B, Q, Tn);
+  for (size_t n = 0; n < out.size(); ++n) expect_close(out[n], want[n], 1e-5, name, int(n));
+}
+
+template <typename T>
+static void test_nucleus_select(const char* name, int B, int Tn, double p, int min_k) {
+  std::mt19937 rng(B * 131 + Tn);
+  std::uniform_int_distribution<int> small(0, 5);  // many ties
+  std::uniform_real_distribution<float> u01;
+  std::vector<T> scores(size_t(B) * Tn);
+  std::vector<char> cand(size_t(B) * Tn);
+  for (size_t n = 0; n < scores.size(); ++n) {
+    scores[n] = cast_from_float<T>(n % 2 ? float(small(rng)) : u01(rng) * 4.f);
+    cand[n] = u01(rng) < 0.7f;
+  }
+  std::vector<char> out(size_t(B) * Tn, 2);
+  std::vector<uint64_t> scratch(dllm::cuda::nucleus_scratch_elems(B, Tn));
+  int status = 0;
+  dllm::cuda::launch_nucleus_select(scores.data(), reinterpret_cast<const bool*>(cand.data()),
+                                    reinterpret_cast<bool*>(out.data()), B, Tn, p, min_k,
+                                    scratch.empty() ? nullptr : scratch.data(), &status, nullptr);
+  for (int b = 0; b < B; ++b) {
+    // Host: stable sort by score descending, sequential float64 prefix sums.
+    std::vector<std::pair<double, int>> c;
+    for (int j = 0; j < Tn; ++j)
+      if (cand[size_t(b) * Tn + j]) c.push_back({double(dllm::cuda::to_float(scores[size_t(b) * Tn + j])), j});
+    std::stable_sort(c.begin(), c.end(), [](auto& x, auto& y) { return x.first > y.first; });
+    std::vector<double> cum(c.size());
+    double acc = 0.0;
+    for (size_t t = 0; t < c.size(); ++t) cum[t] = acc += c[t].first;
+    size_t k = c.size();
+    if (acc > 0.0) {
+      k = 0;
+      while (k < c.size() && cum[k] / acc <= p) ++k;
+    }
+    k = std::min(std::max(k, size_t(min_k)), c.size());
+    std::vector<char> want(Tn, 0);
+    for (size_t t = 0; t < k; ++t) want[c[t].second] = 1;
+    for (int j = 0; j < Tn; ++j)
+      if (out[size_t(b) * Tn + j] != want[j]) {
+        std::fprintf(stderr, "FAIL %s[%d,%d]: got %d want %d\n", name, b, j, out[size_t(b) * Tn + j], want[j]);
+        ++g_failures;
+      }
+  }
+  if (status != 0) {
+    std::fprintf(stderr, "FAIL %s: status %d on valid input\n", name, status);
+    ++g_failures;
+  }
+}
+
+static void test_rollout_family() {
+  test_rollout_scores<float>("rollout_scores<float>", 3, 2, 5, 17, 3, false);
+  test_rollout_scores<__half>("rollout_scores<half>", 2, 2, 1, 9, 2, false);
+  test_rollout_scores<__nv_bfloat16>("rollout_scores<bf16>", 2, 1, 33, 40, 0, false);
+  test_rollout_scores<float>("rollout_scores<float> Q=T, 2 row chunks", 2, 1, 130, 130, 0, false);
+  test_rollout_scores<float>("rollout_scores<float> duplicate", 2, 1, 4, 10, 0, true);
+  for (double p : {0.1, 0.5, 1.0}) {
+    test_nucleus_select<float>("nucleus_select<float>", 2, 37, p, 1);
+    test_nucleus_select<__nv_bfloat16>("nucleus_select<bf16>", 1, 300, p, 0);
+  }
+  test_nucleus_select<__half>("nucleus_select<half>", 3, 5, 0.3, 4);
+}
+
+// ---- family: sparse_kv -----------------------------------------------------
+
+// Index validation: a clean row, then one planted error of each kind.
+static void test_validate_indices() {
+  struct Case {
+    std::vector<int64_t> idx, pos;
+    bool unique;
+    long long code;
+  };
+  const int64_t T = 6, P = 10;
+  const std::vector<Case> cases = {
+      {{0, 5, -1, 2, 3, -7}, {1, 2, 99, 3, 4, 99}, true, dllm::math::kIndexOk},
+      {{0, 6, -1, 2, 3, 1}, {1, 2, 3, 3, 4, 5}, true, dllm::math::kIdxOutOfRange},
+      {{0, 4, -1, 2, 1, 2}, {1, 2, 3, 3, 4, 5}, true, dllm::math::kIdxDuplicate},
+      {{0, 4, -1, 2, 1, 2}, {}, false, dllm::math::kIndexOk},  // gather: repeats are fine
+      {{0, 4, -1, 2, 3, 1}, {1, 2, 3, 10, 4, 5}, true, dllm::math::kPositionOutOfRange},
+  };
+  for (const Case& c : cases) {
+    const int64_t B = 2, Q = 3;
+    std::vector<int> seen(size_t(B) * T, 0);
+    std::vector<long long> err(5, 0);
+    dllm::cuda::launch_validate_indices(c.idx.data(), c.pos.empty() ? nullptr : c.pos.data(), B, Q, T,
+                                        P, c.unique ? seen.data() : nullptr, err.data(), nullptr);
+    const long long code = (err[0] & 0xffffffff) ? err[1] : 0;
+    if (code != c.code) {
+      std::fprintf(stderr, "FAIL validate_indices: code %lld, want %lld\n", code, c.code);
+      ++g_failures;
+    }
+  }
+}
+
+// RoPE + scatter on contiguous tensors against a double host loop.
+template <typename T>
+static void test_rope_scatter_kv(const char* name, int B, int Q, int H, int Hkv, int Tn, int d,
+                                 double tol) {
+  std::mt19937 rng(B * 131 + Q * 17 + d);
+  std::normal_distribution<float> n01;
+  const int P = 16, half = d / 2;
+  auto fill = [&](size_t n) {
+    std::vector<T> v(n);
+    for (auto& x : v) x = cast_from_float<T>(n01(rng));
+    return v;
+  };
+  std::vector<T> q = fill(size_t(B) * Q * H * d), k = fill(size_t(B) * Q * Hkv * d),
+                 v = fill(size_t(B) * Q * Hkv * d), kc = fill(size_t(B) * Hkv * Tn * d),
+                 vc = fill(size_t(B) * Hkv * Tn * d);
+  const std::vector<T> q0 = q, kc0 = kc;
+  std::vector<float> table(size_t(P) * d);
+  for (int p = 0; p < P; ++p)
+    for (int i = 0; i < half; ++i) {
+      const double a = p * std::pow(10000.0, -2.0 * i / d);
+      table[size_t(p) * d + i] = float(std::cos(a));
+      table[size_t(p) * d + half + i] = float(std::sin(a));
+    }
+  std::vector<int64_t> idx(size_t(B) * Q), pos(size_t(B) * Q);
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < Q; ++j) {
+      idx[size_t(b) * Q + j] = (j == Q - 1 && b == 0) ? -1 : (j * 3 + b) % Tn;  // distinct: Q*3 <= Tn
+      pos[size_t(b) * Q + j] = (j * 5 + 2 * b) % P;
+    }
+  using dllm::cuda::Strides4;
+  const Strides4 qs{int64_t(Q) * H * d, int64_t(H) * d, d, 1}, ks{int64_t(Q) * Hkv * d, int64_t(Hkv) * d, d, 1},
+      cs{int64_t(Hkv) * Tn * d, int64_t(Tn) * d, d, 1};
+  dllm::cuda::launch_rope_scatter_kv(q.data(), k.data(), v.data(), pos.data(), table.data(), kc.data(),
+                                     vc.data(), idx.data(), B, Q, H, Hkv, d, qs, ks, ks, cs, cs, nullptr);
+  auto f = [](T x) { return double(dllm::cuda::to_float(x)); };
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < Q; ++j) {
+      const int64_t slot = idx[size_t(b) * Q + j], p = pos[size_t(b) * Q + j];
+      for (int i = 0; i < half; ++i) {
+        const double c = table[size_t(p) * d + i], s = table[size_t(p) * d + half + i];
+        for (int h = 0; h < H; ++h) {
+          const size_t o = ((size_t(b) * Q + j) * H + h) * d;
+          const double lo = f(q0[o + i]), hi = f(q0[o + i + half]);
+          expect_close(f(q[o + i]), slot < 0 ? lo : lo * c - hi * s, tol, name, int(o + i));
+          expect_close(f(q[o + i + half]), slot < 0 ? hi : hi * c + lo * s, tol, name, int(o + i));
+        }
+        if (slot < 0) continue;
+        for (int h = 0; h < Hkv; ++h) {
+          const size_t o = ((size_t(b) * Q + j) * Hkv + h) * d, oc = ((size_t(b) * Hkv + h) * Tn + slot) * d;
+          const double lo = f(k[o + i]), hi = f(k[o + i + half]);
+          expect_close(f(kc[oc + i]), lo * c - hi * s, tol, name, int(oc + i));
+          expect_close(f(kc[oc + i + half]), hi * c + lo * s, tol, name, int(oc + i));
+          expect_close(f(vc[oc + i]), f(v[o + i]), 0.0, name, int(oc + i));
+        }
+      }
+    }
+}
+
+// Attention (+ head-averaged probabilities) against a double host loop; batch
+// row 1 has masked keys, batch row 2 (if any) none valid at all.
+template <typename T>
+static void test_sparse_attention(const char* name, int B, int Q, int H, int Hkv, int Tn, int d,
+                                  double tol) {
+  std::mt19937 rng(B * 7 + Q * 13 + H * 3 + Tn + d);
+  std::normal_distribution<float> n01;
+  auto fill = [&](size_t n) {
+    std::vector<T> v(n);
+    for (auto& x : v) x = cast_from_float<T>(n01(rng));
+    return v;
+  };
+  const std::vector<T> q = fill(size_t(B) * Q * H * d), kc = fill(size_t(B) * Hkv * Tn * d),
+                       vc = fill(size_t(B) * Hkv * Tn * d);
+  bool valid[64 * 64];
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < Tn; ++t) valid[b * Tn + t] = b == 0 || (b == 1 ? t % 3 != 1 : false);
+  std::vector<T> out(q.size());
+  std::vector<float> stats(size_t(B) * Q * H * 2), probs(size_t(B) * Q * Tn, -1.f);
+  const float scale = 1.f / std::sqrt(float(d));
+  dllm::cuda::launch_sparse_attention(q.data(), kc.data(), vc.data(), valid, scale, out.data(), stats.data(),
+                                      probs.data(), B, Q, H, Hkv, Tn, d, nullptr);
+  auto f = [](T x) { return double(dllm::cuda::to_float(x)); };
+  const int G = H / Hkv;
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < Q; ++j) {
+      std::vector<double> pm(Tn, 0.0);
+      for (int h = 0; h < H; ++h) {
+        const size_t kb = (size_t(b) * Hkv + h / G) * Tn * d, qo = ((size_t(b) * Q + j) * H + h) * d;
+        std::vector<double> s(Tn, -INFINITY);
+        double mx = -INFINITY, sum = 0;
+        for (int t = 0; t < Tn; ++t) {
+          if (!valid[b * Tn + t]) continue;
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += f(q[qo + i]) * f(kc[kb + size_t(t) * d + i]);
+          s[t] = dot * scale;
+          mx = std::max(mx, s[t]);
+        }
+        for (int t = 0; t < Tn; ++t) sum += valid[b * Tn + t] ? std::exp(s[t] - mx) : 0.0;
+        for (int i = 0; i < d; ++i) {
+          double o = 0;
+          for (int t = 0; t < Tn; ++t)
+            if (valid[b * Tn + t]) o += std::exp(s[t] - mx) / sum * f(vc[kb + size_t(t) * d + i]);
+          expect_close(f(out[qo + i]), o, tol, name, int(qo + i));
+        }
+        for (int t = 0; t < Tn; ++t)
+          if (valid[b * Tn + t]) pm[t] += std::exp(s[t] - mx) / sum / H;
+      }
+      for (int t = 0; t < Tn; ++t)
+        expect_close(probs[(size_t(b) * Q + j) * Tn + t], pm[t], 1e-5, name, t);
+    }
+}
+
+// Row gather / scatter over 4-byte elements with -1 padding and strided x.
+static void test_gather_scatter_rows() {
+  const int64_t B = 2, Tn = 5, C = 3, Q = 3;
+  std::vector<uint32_t> x(size_t(B) * Tn * C * 2);  // x[b, t, c] at stride 2 in c
+  for (size_t i = 0; i < x.size(); ++i) x[i] = uint32_t(i * 7 + 1);
+  const std::vector<int64_t> idx = {4, -1, 0, 2, 3, 1};
+  std::vector<uint32_t> out(size_t(B) * Q * C, 99);
+  dllm::cuda::launch_gather_rows(x.data(), idx.data(), out.data(), B, Q, C, Tn * C * 2, C * 2, 2, nullptr);
+  std::vector<uint32_t> dst(size_t(B) * Tn * C, 0);
+  dllm::cuda::launch_scatter_rows(dst.data(), out.data(), idx.data(), B, Q, C, Tn * C, C, 1, Q * C, C, 1,
+                                  nullptr);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < Q; ++j)
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t i = idx[b * Q + j];
+        const double want = i < 0 ? 0 : x[size_t(b * Tn * C * 2 + i * C * 2 + c * 2)];
+        expect_close(out[size_t((b * Q + j) * C + c)], want, 0.0, "gather_rows", int(j));
+        if (i >= 0) expect_close(dst[size_t((b * Tn + i) * C + c)], want, 0.0, "scatter_rows", int(j));
+      }
+}
+
+static void test_sparse_kv_family() {
+  test_validate_indices();
+  test_rope_scatter_kv<float>("rope_scatter_kv<float>", 2, 3, 4, 2, 11, 8, 1e-6);
+  test_rope_scatter_kv<__nv_bfloat16>("rope_scatter_kv<bf16>", 1, 2, 2, 1, 7, 16, 8e-3);
+  test_sparse_attention<float>("sparse_attention<float>", 3, 3, 4, 2, 37, 16, 1e-5);
+  test_sparse_attention<float>("sparse_attention<float> GQA7 d=64", 2, 2, 7, 1, 20, 64, 1e-5);
+  test_sparse_attention<__half>("sparse_attention<half> d=130", 1, 2, 2, 2, 19, 130, 3e-3);
+  test_gather_scatter_rows();
+}
+
 int main() {
+  test_sparse_kv_family();
+  test_rollout_family();
   for (int D : {1, 7, 111, 1025}) {
     test_cosine_drift<float>("cosine_drift<float>", 3, D, 1e-5);
     test_cosine_drift<__half>("cosine_drift<half>", 2, D, 1e-4);

@@ -18,12 +18,12 @@ from ..rope import rope_cos_sin
 from .config import ModelConfig
 
 
-def rotary_cos_sin(theta: float, head_dim: int, positions: torch.Tensor):
-    """fp32 NeoX rotary tables ``[B, T, 1, d]`` for the dense forward."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    ang = positions.float()[..., None] * inv
-    ang = torch.cat([ang, ang], -1)[:, :, None, :]
-    return ang.cos(), ang.sin()
+def rotary_cos_sin(table: torch.Tensor, positions: torch.Tensor):
+    """Per-token ``cos, sin`` ``[B, T, 1, d]`` from a rope_cos_sin table (dense forward)."""
+    half = table.shape[1] // 2
+    rows = table[positions]                                   # [B, T, d]: cos | sin
+    cos, sin = rows[..., :half], rows[..., half:]
+    return torch.cat([cos, cos], -1)[:, :, None, :], torch.cat([sin, sin], -1)[:, :, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ class DiffusionLM(nn.Module):
         if key_valid is None:
             key_valid = torch.ones_like(x, dtype=torch.bool)
         pos = (key_valid.long().cumsum(1) - 1).clamp_min(0)
-        cos, sin = rotary_cos_sin(c.rope_theta, c.head_dim, pos)
+        cos, sin = rotary_cos_sin(self.rope_table(), pos)
         attn_mask = key_valid[:, None, None, :]
         h = self.embed(x)
         for layer in self.layers:

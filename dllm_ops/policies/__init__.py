@@ -1,8 +1,10 @@
 """Cache policies: rules for which tokens each model call recomputes."""
 from .base import Policy
 from .fastdllm import DualCache, PrefixCache, Vanilla
+from .diagnostic import StaleCache
 
-POLICIES = {"none": Vanilla, "prefix": PrefixCache, "dual": DualCache}
+POLICIES = {"none": Vanilla, "prefix": PrefixCache, "dual": DualCache,
+            "stale": StaleCache}  # diagnostic: never refreshed, must lose accuracy
 
 
 def make_policy(cache: str) -> Policy:
@@ -13,4 +15,4 @@ def make_policy(cache: str) -> Policy:
                          f"choose from {sorted(POLICIES)}") from None
 
 
-__all__ = ["Policy", "Vanilla", "PrefixCache", "DualCache", "POLICIES", "make_policy"]
+__all__ = ["Policy", "Vanilla", "PrefixCache", "DualCache", "StaleCache", "POLICIES", "make_policy"]

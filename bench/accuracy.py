@@ -1,0 +1,246 @@
+"""Exact-match accuracy of a dLLM on the task suite, per task and per cache mode.
+
+    python -m bench.accuracy --model tiny-llada --task all --n 500
+
+Every problem is decoded with vanilla decoding (a full forward per call, one
+token per call, low-confidence order; LLaDA's generate) and with each cache
+mode asked for. Cache modes other than vanilla and the diagnostic `stale`
+decode in parallel with Fast-dLLM's threshold rule (`--threshold`, 0.9);
+`stale` keeps the vanilla rule so that only the cache differs. Each row gives
+
+- accuracy: exact match on held-out problems (dllm_ops.tasks, split "test");
+- nfe: model calls per problem. Problems are decoded in batches; a call counts
+  for a problem when it commits a token of it, which is the number of calls
+  the problem needs when decoded alone;
+- tok/s: generated tokens (up to the first EOS) per second of decoding, batched;
+- agree_tok / agree_seq: agreement with the vanilla decode of the same
+  problems, per token (over the vanilla answer and its first EOS) and per
+  whole answer.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import torch
+
+CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "dllm_ops", "checkpoints")
+SHIPPED = ("tiny-llada", "tiny-dream")
+DEFAULT_CACHES = ("none", "prefix", "dual", "stale")
+# Dream's generate picks tokens with `alg`; confidence_threshold with a
+# threshold above any probability commits exactly the argmax each call.
+ONE_PER_CALL = 2.0
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A shipped model name (tiny-llada, tiny-dream) or a checkpoint folder -> folder."""
+    if name_or_path in SHIPPED:
+        return os.path.join(CHECKPOINTS_DIR, name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    raise ValueError(f"bench.accuracy: {name_or_path!r} is neither a shipped model "
+                     f"({', '.join(SHIPPED)}) nor a checkpoint folder")
+
+
+def decode_modes(caches, threshold):
+    """(cache, rule) pairs to run, vanilla first; rule is "1/call" or a threshold."""
+    modes = [("none", "1/call")]
+    for c in caches:
+        rule = "1/call" if c == "stale" or threshold is None else float(threshold)
+        if (c, rule) not in modes:
+            modes.append((c, rule))
+    return modes
+
+
+def _decode_kwargs(model, rule, gen_length, block_length):
+    kw = dict(gen_length=gen_length, block_length=block_length, stop_at_eos=True)
+    if model.config.arch == "dream":
+        kw.update(alg="confidence_threshold", threshold=ONE_PER_CALL if rule == "1/call" else rule)
+    elif rule == "1/call":
+        kw.update(unmask="topk", steps=gen_length)
+    else:
+        kw.update(unmask="threshold", threshold=rule)
+    return kw
+
+
+class _CountCalls:
+    """Wraps a policy and counts, per row, the calls that committed a token of it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.wants_probs = inner.wants_probs
+        self.calls = None
+
+    def on_block_start(self, state):
+        return self.inner.on_block_start(state)
+
+    def plan(self, state):
+        return self.inner.plan(state)
+
+    def on_step_end(self, state, commit):
+        if self.calls is None:
+            self.calls = torch.zeros(commit.shape[0], dtype=torch.long)
+        self.calls += commit.any(1).cpu().long()
+        self.inner.on_step_end(state, commit)
+
+
+def _label(cache, rule):
+    return "1/call" if rule == "1/call" else f"thr {rule:g}"
+
+
+def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_CACHES,
+                 block_length: int | None = None, threshold: float | None = 0.9, seed: int = 0,
+                 progress: bool = True, batch_size: int = 100, dtype=torch.float32,
+                 model=None) -> list[dict]:
+    """Decode `n` held-out problems per task in every mode; one dict per (task, mode)
+    plus an "all" row per mode (the mean over tasks).
+
+    Args:
+        model_name_or_path: "tiny-llada", "tiny-dream" or a checkpoint folder
+            (ignored when `model` is given).
+        tasks: "all", a name, a comma-separated list or a list of names.
+        caches: cache modes (dllm_ops.policies.POLICIES) besides vanilla.
+        block_length: default dllm_ops.tasks.BLOCK_LENGTH (16).
+        threshold: the parallel-decoding threshold of the cached modes; None
+            decodes every mode one token per call.
+    """
+    from tqdm.auto import tqdm
+
+    import dllm_ops  # noqa: F401  (registers the ops)
+    from dllm_ops.decode import generate
+    from dllm_ops.models import load
+    from dllm_ops.policies import POLICIES, make_policy
+    from dllm_ops.tasks import BLOCK_LENGTH, GEN_LENGTH, exact_match, problems, task_names
+
+    bad = [c for c in caches if c not in POLICIES]
+    if bad:
+        raise ValueError(f"bench.accuracy: unknown cache mode(s) {bad}; choose from {sorted(POLICIES)}")
+    names = task_names(tasks)
+    block_length = block_length or BLOCK_LENGTH
+    if model is None:
+        model = load(resolve_model(model_name_or_path), dtype=dtype)
+        label = model_name_or_path
+    else:
+        label = getattr(model, "name", model.config.arch)
+    eos = model.config.eos_id
+    modes = decode_modes(caches, threshold)
+    per_task = {t: sorted(problems(t, n, seed, "test"), key=lambda p: len(p.prompt_ids)) for t in names}
+    nb = -(-n // batch_size)
+    bar = tqdm(total=len(names) * len(modes) * nb, desc=f"accuracy {label}", unit="batch",
+               disable=not progress, leave=False)
+    rows = []
+    for task in names:
+        probs = per_task[task]
+        vanilla_tokens = None
+        for cache, rule in modes:
+            bar.set_postfix_str(f"{task} {cache} {_label(cache, rule)}")
+            kw = _decode_kwargs(model, rule, GEN_LENGTH, block_length)
+            toks, calls, batch_calls, wall, n_tok = [], [], [], 0.0, 0
+            for b in range(0, n, batch_size):
+                chunk = probs[b:b + batch_size]
+                policy = _CountCalls(make_policy(cache))
+                t0 = time.perf_counter()
+                out = generate(model, [list(p.prompt_ids) for p in chunk], policy=policy, **kw)
+                wall += time.perf_counter() - t0
+                toks.append(out.tokens)
+                calls.append(policy.calls)
+                batch_calls.append(out.stats["nfe"])
+                n_tok += out.stats["generated_tokens"]
+                bar.update(1)
+            tokens = torch.cat(toks)
+            correct = [exact_match(p, t.tolist(), eos) for p, t in zip(probs, tokens)]
+            if vanilla_tokens is None:
+                vanilla_tokens = tokens
+            agree_tok, agree_seq = _agreement(tokens, vanilla_tokens, eos)
+            rows.append(dict(model=label, task=task, cache=cache, rule=_label(cache, rule), n=n,
+                             accuracy=sum(correct) / n, nfe=float(torch.cat(calls).float().mean()),
+                             nfe_batch=sum(batch_calls) / len(batch_calls), tokens_per_s=n_tok / wall,
+                             agree_tok=agree_tok, agree_seq=agree_seq, seconds=wall,
+                             block_length=block_length, batch_size=batch_size))
+    bar.close()
+    for cache, rule in modes:
+        mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
+        mean = {k: sum(r[k] for r in mine) / len(mine)
+                for k in ("accuracy", "nfe", "nfe_batch", "agree_tok", "agree_seq")}
+        secs = sum(r["seconds"] for r in mine)
+        toks = sum(r["tokens_per_s"] * r["seconds"] for r in mine)
+        rows.append(dict(mine[0], task="all", n=n * len(mine), seconds=secs,
+                         tokens_per_s=toks / secs, **mean))
+    return rows
+
+
+def _agreement(tokens: torch.Tensor, ref: torch.Tensor, eos: int) -> tuple[float, float]:
+    """Token agreement over the reference answer plus its first EOS, and whole-answer agreement."""
+    tok, seq = [], []
+    for a, r in zip(tokens.tolist(), ref.tolist()):
+        end = min(len(r), (r.index(eos) + 1) if eos in r else len(r))
+        tok.append(sum(x == y for x, y in zip(a[:end], r[:end])) / end)
+        cut = lambda s: s[: s.index(eos)] if eos in s else s  # noqa: E731
+        seq.append(cut(a) == cut(r))
+    return sum(tok) / len(tok), sum(seq) / len(seq)
+
+
+COLUMNS = [("task", "{:<8}"), ("cache", "{:<7}"), ("rule", "{:<8}"), ("accuracy", "{:>8.1%}"),
+           ("nfe", "{:>7.1f}"), ("tokens_per_s", "{:>9.0f}"), ("agree_tok", "{:>9.1%}"),
+           ("agree_seq", "{:>9.1%}")]
+
+
+def format_table(rows: list[dict]) -> str:
+    head = " ".join(f"{'tok/s' if k == 'tokens_per_s' else k:>{len(f.format(rows[0][k]))}}"
+                    if not f.startswith("{:<") else f"{k:<{int(f[3:-2])}}" for k, f in COLUMNS)
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        if last is not None and r["task"] != last:
+            lines.append("")
+        last = r["task"]
+        lines.append(" ".join(f.format(r[k]) for k, f in COLUMNS))
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llada", help="tiny-llada | tiny-dream | checkpoint folder")
+    p.add_argument("--task", default="all", help="all | add | sort | reverse | sub | a,b,...")
+    p.add_argument("--n", type=int, default=500, help="held-out problems per task")
+    p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES), help="cache modes besides vanilla")
+    p.add_argument("--block-length", type=int, default=None, help="default 16")
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="parallel-decoding threshold of the cached modes (<= 0: one token per call)")
+    p.add_argument("--seed", type=int, default=0, help="which held-out problems")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--csv", help="also write the rows to this CSV file")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_from_args(args) -> list[dict]:
+    torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    rows = run_accuracy(args.model, args.task, args.n, args.cache, args.block_length,
+                        args.threshold if args.threshold and args.threshold > 0 else None,
+                        args.seed, progress=not args.no_progress, batch_size=args.batch_size)
+    r0 = rows[0]
+    print(f"model={args.model} n={args.n}/task block={r0['block_length']} batch={r0['batch_size']} "
+          f"threads={torch.get_num_threads()} ({time.perf_counter() - t0:.0f}s)")
+    print(format_table(rows))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    run_from_args(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""`python -m bench decode`: the decode loop under every cache mode, one run.
+
+  python -m bench decode --model PATH|NAME [--caches none prefix dual] ...
+  python -m bench decode --synthetic llada-8b --layers 4 --prompt-length 256 --gen-length 256
+  python -m bench decode --model tiny-llada --task all --n 500      (accuracy, bench/accuracy.py)
+
+For each cache mode: NFE, generated tokens/s, tokens recomputed (summed over
+layers), model FLOPs, and wall-clock and FLOP speed-ups over vanilla measured
+in the same run. Synthetic models have random weights at real layer shapes
+(fewer layers), so they measure cost, not quality.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import time
+
+import torch
+
+SYNTHETIC = {
+    "llada-8b": dict(arch="llada", vocab_size=126464, hidden_size=4096, n_heads=32, n_kv_heads=32,
+                     head_dim=128, intermediate_size=12288, rms_eps=1e-5, rope_theta=500000.0,
+                     max_seq_len=4096, qkv_bias=False, mask_id=126336, eos_id=126081, pad_id=126081,
+                     bos_id=126080),
+    "dream-7b": dict(arch="dream", vocab_size=152064, hidden_size=3584, n_heads=28, n_kv_heads=4,
+                     head_dim=128, intermediate_size=18944, rms_eps=1e-6, rope_theta=1e6,
+                     max_seq_len=32768, qkv_bias=True, mask_id=151666, eos_id=151643, pad_id=151643,
+                     bos_id=151643),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def synthetic_model(name: str, layers: int, dtype: torch.dtype, seed: int = 0):
+    from dllm_ops.models import DiffusionLM, ModelConfig
+
+    torch.manual_seed(seed)
+    config = ModelConfig(n_layers=layers, **SYNTHETIC[name])
+    with torch.device("meta"):
+        model = DiffusionLM(config)
+    state = {}
+    for k, p in model.state_dict().items():
+        if "norm" in k:
+            state[k] = torch.ones(p.shape, dtype=dtype)
+        elif k == "embed.weight":
+            state[k] = torch.randn(p.shape, dtype=dtype)
+        else:
+            state[k] = (torch.randn(p.shape) * p.shape[-1] ** -0.5).to(dtype)
+    model.load_state_dict(state, assign=True)
+    model.tokenizer = None
+    return model.eval()
+
+
+def resolve_model(name: str) -> str:
+    if os.path.isdir(name):
+        return name
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "dllm_ops", "checkpoints", name)
+    if os.path.isdir(shipped):
+        return shipped
+    raise SystemExit(f"bench decode: no checkpoint folder {name!r} (nor dllm_ops/checkpoints/{name})")
+
+
+def cmd_decode(args) -> int:
+    import dllm_ops
+
+    if args.task:
+        from bench.accuracy import run_accuracy
+        rows = run_accuracy(args.model, args.task, args.n, args.caches, args.block_length,
+                            args.threshold, args.seed)
+        _write_csv(args.csv, rows)
+        return 0
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    dtype = DTYPES[args.dtype]
+    if args.synthetic:
+        model = synthetic_model(args.synthetic, args.layers, dtype)
+        label = f"synthetic {args.synthetic} ({args.layers} layers, random weights)"
+    else:
+        model = dllm_ops.load(resolve_model(args.model), dtype=dtype)
+        label = args.model
+    c = model.config
+    g = torch.Generator().manual_seed(args.seed)
+    special = {c.mask_id, c.eos_id, c.pad_id}
+    prompts = []
+    for _ in range(args.batch):
+        ids = torch.randint(0, c.vocab_size, (args.prompt_length,), generator=g).tolist()
+        prompts.append([t if t not in special else 5 for t in ids])
+    kw = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps or args.gen_length,
+              unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed)
+    if c.arch == "dream":
+        kw["alg"] = "confidence_threshold" if args.unmask == "threshold" else "entropy"
+    print(f"model={label} dtype={args.dtype} threads={torch.get_num_threads()} batch={args.batch} "
+          f"prompt={args.prompt_length} gen={args.gen_length} block={args.block_length} unmask={args.unmask}"
+          f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}")
+    rows, base = [], None
+    for cache in args.caches:
+        t0 = time.perf_counter()
+        out = dllm_ops.generate(model, prompts, cache=cache, **kw)
+        wall = time.perf_counter() - t0
+        s = out.stats
+        r = dict(cache=cache, nfe=s["nfe"], wall_s=wall, tokens_per_s=s["generated_tokens"] / wall,
+                 tokens_recomputed=s["tokens_recomputed"], model_tflops=s["model_flops"] / 1e12)
+        if base is None:
+            base = r
+        r["speedup_wall"] = base["wall_s"] / wall
+        r["flops_ratio"] = base["model_tflops"] / r["model_tflops"]
+        rows.append(r)
+        print(f"  {cache:<8} NFE={r['nfe']:<5} wall={wall:8.2f}s tok/s={r['tokens_per_s']:8.2f} "
+              f"recomputed={r['tokens_recomputed']:<9} TFLOPs={r['model_tflops']:8.3f} "
+              f"speedup={r['speedup_wall']:5.2f}x flops-ratio={r['flops_ratio']:5.2f}x", flush=True)
+    _print_table(rows)
+    _write_csv(args.csv, rows)
+    return 0
+
+
+def _print_table(rows):
+    hdr = f"{'cache':<8} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'TFLOPs':>9} {'speedup':>8} {'flops x':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['cache']:<8} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
+              f"{r['tokens_recomputed']:>11} {r['model_tflops']:>9.3f} {r['speedup_wall']:>8.2f} {r['flops_ratio']:>8.2f}")
+
+
+def _write_csv(path, rows):
+    if path and rows:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("decode", help="the decode loop under every cache mode")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder, or a shipped name (tiny-llada, tiny-dream)")
+    src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random weights at real layer shapes")
+    p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
+    p.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
+    p.add_argument("--task", nargs="+", help="accuracy run on the task suite ('all' for every task)")
+    p.add_argument("--n", type=int, default=500, help="problems per task with --task")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-length", type=int, default=256)
+    p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--unmask", default="threshold", choices=["topk", "threshold", "factor"])
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv")
+    p.set_defaults(func=cmd_decode)

@@ -1,0 +1,463 @@
+// CPU kernels of the `sparse_kv` family: RoPE + KV-cache scatter, sparse-query
+// attention (optionally with head-averaged probabilities), row gather/scatter.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common/dispatch.h"
+#include "common/sparse_kv_checks.h"
+#include "common/sparse_kv_math.h"
+
+// Hot softmax loops are compiled per ISA and picked at load time (GCC/Clang
+// ifunc), so the default build -- no -march flag -- still runs them with
+// AVX-512 or AVX2 where the machine has them.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(__SANITIZE_ADDRESS__) && !defined(DLLM_NO_CLONES)
+#define DLLM_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DLLM_CPU_CLONES
+#endif
+
+namespace dllm {
+namespace {
+
+namespace m = dllm::math;
+
+// ============================================================================
+// rope_scatter_kv
+// ============================================================================
+
+// Strided 4-D view: element (i0, i1, i2, i3) of a tensor, without ATen calls.
+template <typename T>
+struct View4 {
+  T* data;
+  int64_t s0, s1, s2, s3;
+  explicit View4(const at::Tensor& t)
+      : data(t.data_ptr<T>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), s3(t.stride(3)) {}
+  T* row(int64_t i0, int64_t i1, int64_t i2) const { return data + i0 * s0 + i1 * s1 + i2 * s2; }
+};
+
+template <typename T>
+void rotate_row(const T* src, T* dst, int64_t stride_src, int64_t stride_dst, const float* cos_a,
+                const float* sin_a, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const m::RotatedPair r =
+        m::rope_rotate_pair(static_cast<float>(src[i * stride_src]),
+                            static_cast<float>(src[(i + half) * stride_src]), cos_a[i], sin_a[i]);
+    dst[i * stride_dst] = static_cast<T>(r.lo);
+    dst[(i + half) * stride_dst] = static_cast<T>(r.hi);
+  }
+}
+
+void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& positions, const at::Tensor& cos_sin,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& idx) {
+  constexpr const char* op = "rope_scatter_kv";
+  check_rope_scatter_kv(q, k, v, positions, cos_sin, k_cache, v_cache, idx);
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), d = q.size(3);
+  const int64_t H_kv = k.size(2), T = k_cache.size(2), P = cos_sin.size(0);
+  const auto pos_c = positions.contiguous();
+  const auto idx_c = idx.contiguous();
+  const int64_t* pos_p = pos_c.const_data_ptr<int64_t>();
+  const int64_t* idx_p = idx_c.const_data_ptr<int64_t>();
+  // Validate every index before writing anything: on error nothing changes.
+  raise_index_error(op, find_index_error(idx_p, B, Q, T, /*unique=*/true, pos_p, P), T, P);
+  const auto table = cos_sin.contiguous();
+  const float* tab = table.const_data_ptr<float>();
+  const int64_t half = d / 2;
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::rope_scatter_kv", [&] {
+    const View4<scalar_t> qv(q), kv(k), vv(v), kc(k_cache), vc(v_cache);
+    at::parallel_for(0, B * Q, std::max<int64_t>(1, 4096 / ((H + 2 * H_kv) * d)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t tok = begin; tok < end; ++tok) {
+        const int64_t b = tok / Q, j = tok % Q, slot = idx_p[tok];
+        if (slot < 0) continue;  // padding: q, k, v of this token are left alone
+        const float* cos_a = tab + pos_p[tok] * d;
+        const float* sin_a = cos_a + half;
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t* row = qv.row(b, j, h);
+          rotate_row(row, row, qv.s3, qv.s3, cos_a, sin_a, half);
+        }
+        for (int64_t h = 0; h < H_kv; ++h) {
+          rotate_row(kv.row(b, j, h), kc.row(b, h, slot), kv.s3, kc.s3, cos_a, sin_a, half);
+          const scalar_t* src = vv.row(b, j, h);
+          scalar_t* dst = vc.row(b, h, slot);
+          for (int64_t i = 0; i < d; ++i) dst[i * vc.s3] = src[i * vv.s3];
+        }
+      }
+    });
+  });
+}
+
+// ============================================================================
+// sparse_attention
+// ============================================================================
+//
+// Work unit: one batch row b, one KV head, a tile of Qt queries. Its M = Qt*G
+// query rows (G = H / H_kv query heads share the KV head) attend over all T
+// keys in three steps:
+//   1. S^T [T, M] = K [T, d] . Q_tile^T [d, M]     (BLAS, fp32 accumulate)
+//   2. exact softmax per column in fp32 (the whole key row fits in cache, so
+//      no online rescaling is needed), transposed to P [M, T]
+//   3. O [M, d] = P [M, T] . V [T, d]              (BLAS, fp32 accumulate)
+// S^T rather than S because the cache stores K as [T, d] and the BLAS entry
+// point takes untransposed row-major operands; Q_tile^T is tiny to build.
+// P is rounded to the input dtype for step 3 (fp32 stays fp32), as torch's
+// own CPU attention does; sums and the output accumulate in fp32.
+
+// exp(x) for the softmax weights, written so the compiler vectorizes it:
+// Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-7 Taylor polynomial
+// (error < 6e-9 relative), 2^n through the exponent bits. Arguments are
+// clamped to [-87, 88] (exp(-87) = 1.6e-38: a weight that small is zero in
+// any sum with the row maximum, whose weight is 1).
+static inline __attribute__((always_inline)) float exp_poly(float x) {
+  x = x < -87.f ? -87.f : x;
+  x = x > 88.f ? 88.f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln2)
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// Pass 1: column maxima of scale * S^T over valid keys.
+DLLM_CPU_CLONES void column_max(const float* __restrict__ st, const bool* __restrict__ valid,
+                                int64_t T, int64_t M, float scale, float* __restrict__ mx) {
+  for (int64_t r = 0; r < M; ++r) mx[r] = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) {
+    if (valid && !valid[t]) continue;
+    const float* row = st + t * M;
+    for (int64_t r = 0; r < M; ++r) mx[r] = std::max(mx[r], row[r] * scale);
+  }
+}
+
+// Pass 2: S^T <- exp(scale * S^T - max) (exactly 0 on masked keys), column sums.
+DLLM_CPU_CLONES void column_exp_sum(float* __restrict__ st, const bool* __restrict__ valid,
+                                    int64_t T, int64_t M, float scale,
+                                    const float* __restrict__ mx, float* __restrict__ sum) {
+  for (int64_t r = 0; r < M; ++r) sum[r] = 0.f;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = st + t * M;
+    if (valid && !valid[t]) {
+      for (int64_t r = 0; r < M; ++r) row[r] = 0.f;
+      continue;
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const float e = exp_poly(row[r] * scale - mx[r]);
+      row[r] = e;
+      sum[r] += e;
+    }
+  }
+}
+
+// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype, done in 16x16
+// blocks so both sides stream through cache lines.
+template <typename T_>
+void normalize_transpose(const float* __restrict__ st, const float* __restrict__ inv, int64_t T,
+                         int64_t M, T_* __restrict__ p) {
+  constexpr int64_t kB = 16;
+  for (int64_t r0 = 0; r0 < M; r0 += kB) {
+    const int64_t r1 = std::min(M, r0 + kB);
+    for (int64_t t0 = 0; t0 < T; t0 += kB) {
+      const int64_t t1 = std::min(T, t0 + kB);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = static_cast<T_>(st[t * M + r] * inv[r]);
+    }
+  }
+}
+
+// probs_acc[qi, t] (+)= sum over the G heads of query qi of P[qi*G + g, t],
+// read from the fp32 weights (before any rounding to the gemm dtype).
+DLLM_CPU_CLONES void accumulate_head_probs(const float* __restrict__ st,
+                                           const float* __restrict__ inv, int64_t T, int64_t Qt,
+                                           int64_t G, bool first, float* __restrict__ acc,
+                                           int64_t acc_stride) {
+  const int64_t M = Qt * G;
+  for (int64_t qi = 0; qi < Qt; ++qi) {
+    float* out = acc + qi * acc_stride;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = st + t * M + qi * G;
+      float s = 0.f;
+      for (int64_t g = 0; g < G; ++g) s += row[g] * inv[qi * G + g];
+      out[t] = first ? s : out[t] + s;
+    }
+  }
+}
+
+DLLM_CPU_CLONES void scale_rows(float* __restrict__ x, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+// Sum of `parts` arrays of n floats spaced `stride` apart, times s.
+DLLM_CPU_CLONES void sum_parts(const float* __restrict__ parts, int64_t n_parts, int64_t stride,
+                               int64_t n, float s, float* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = parts[i];
+  for (int64_t k = 1; k < n_parts; ++k)
+    for (int64_t i = 0; i < n; ++i) out[i] += parts[k * stride + i];
+  for (int64_t i = 0; i < n; ++i) out[i] *= s;
+}
+
+// C [m, n] = A [m, k] . B [k, n], row-major, fp32 C. Goes to oneDNN (AMX /
+// AVX-512 where available) through ATen's exported BLAS entry point.
+template <typename T_>
+void gemm_f32acc(int64_t mm, int64_t nn, int64_t kk, const T_* a, int64_t lda, const T_* b,
+                 int64_t ldb, float* c, int64_t ldc) {
+  at::native::cpublas::brgemm(mm, nn, kk, lda, ldb, ldc, /*add_C=*/false, a, b, c,
+                              /*is_vnni=*/false);
+}
+
+struct AttnShape {
+  int64_t B, Q, H, H_kv, G, T, d;
+};
+
+// Per-thread scratch of one work unit (sized for the largest tile).
+template <typename T_>
+struct AttnScratch {
+  std::vector<T_> qt, p;
+  std::vector<float> st, o, mx, sum, inv;
+  AttnScratch(int64_t M, int64_t T, int64_t d)
+      : qt(d * M), p(M * T), st(T * M), o(M * d), mx(M), sum(M), inv(M) {}
+};
+
+// One (b, kv head, query tile) unit: writes out rows, and (optionally) adds
+// the tile's head-summed probabilities into probs_acc (row stride T).
+template <typename T_>
+void attend_tile(const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+                 const T_* q, const T_* kc, const T_* vc, const bool* valid, float scale, T_* out,
+                 AttnScratch<T_>& w, float* probs_acc, bool first_head) {
+  const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
+  // Q_tile^T [d, M]: column r = qi * G + g is query q0 + qi of head kvh * G + g.
+  for (int64_t qi = 0; qi < Qt; ++qi)
+    for (int64_t g = 0; g < G; ++g) {
+      const T_* src = q + ((b * s.Q + q0 + qi) * s.H + kvh * G + g) * d;
+      const int64_t r = qi * G + g;
+      for (int64_t j = 0; j < d; ++j) w.qt[j * M + r] = src[j];
+    }
+  const T_* K = kc + (b * s.H_kv + kvh) * T * d;
+  const T_* V = vc + (b * s.H_kv + kvh) * T * d;
+  gemm_f32acc<T_>(T, M, d, K, d, w.qt.data(), M, w.st.data(), M);
+  column_max(w.st.data(), valid, T, M, scale, w.mx.data());
+  column_exp_sum(w.st.data(), valid, T, M, scale, w.mx.data(), w.sum.data());
+  for (int64_t r = 0; r < M; ++r) w.inv[r] = m::softmax_inv_sum(w.sum[r]);
+  if (probs_acc)
+    accumulate_head_probs(w.st.data(), w.inv.data(), T, Qt, G, first_head, probs_acc, T);
+  normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data());
+  gemm_f32acc<T_>(M, d, T, w.p.data(), T, V, d, w.o.data(), d);
+  for (int64_t qi = 0; qi < Qt; ++qi)
+    for (int64_t g = 0; g < G; ++g) {
+      T_* dst = out + ((b * s.Q + q0 + qi) * s.H + kvh * G + g) * d;
+      const float* src = w.o.data() + (qi * G + g) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T_>(src[j]);
+    }
+}
+
+// Queries per tile: enough rows (M = Qt * G ~ 64) for the gemms to run at
+// speed, few enough that the fp32 score block stays within ~4 MB of cache.
+int64_t query_tile(const AttnShape& s) {
+  int64_t qt = std::max<int64_t>(1, 64 / s.G);
+  qt = std::min(qt, std::max<int64_t>(1, (int64_t{1} << 20) / (s.G * s.T)));
+  return std::min(qt, s.Q);
+}
+
+template <typename T_>
+void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, const T_* vc,
+                             const bool* key_valid, const int64_t* n_valid, float scale, T_* out,
+                             float* probs) {
+  const int64_t Qt = query_tile(s);
+  const int64_t n_tiles = (s.Q + Qt - 1) / Qt;
+  const int64_t M = Qt * s.G;
+  const float inv_h = 1.f / static_cast<float>(s.H);
+  auto tile_rows = [&](int64_t tile) { return std::min(Qt, s.Q - tile * Qt); };
+  auto zero_batch = [&](int64_t b, int64_t q0, int64_t Qt_) {
+    // No valid key in this batch row: outputs and probabilities are zeros.
+    std::fill_n(out + (b * s.Q + q0) * s.H * s.d, Qt_ * s.H * s.d, T_(0));
+    if (probs) std::fill_n(probs + (b * s.Q + q0) * s.T, Qt_ * s.T, 0.f);
+  };
+
+  if (!probs) {
+    // Independent units over (b, kv head, tile).
+    at::parallel_for(0, s.B * s.H_kv * n_tiles, 1, [&](int64_t begin, int64_t end) {
+      AttnScratch<T_> w(M, s.T, s.d);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t tile = u % n_tiles, kvh = (u / n_tiles) % s.H_kv, b = u / (n_tiles * s.H_kv);
+        const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
+        if (n_valid[b] == 0) {
+          if (kvh == 0) zero_batch(b, q0, Qt_);
+          continue;
+        }
+        const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
+        attend_tile(s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, nullptr, false);
+      }
+    });
+    return;
+  }
+
+  // With probabilities, the heads of one query row must be summed: a unit is
+  // (b, tile, group of KV heads) and loops over its heads. KV heads are split
+  // into n_groups only when (b, tile) alone would leave threads idle; each
+  // group then sums into its own slice of `partial`, reduced afterwards.
+  const int64_t units_bt = s.B * n_tiles;
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t n_groups = std::min(s.H_kv, std::max<int64_t>(1, (want + units_bt - 1) / units_bt));
+  const int64_t heads_per_group = (s.H_kv + n_groups - 1) / n_groups;
+  at::Tensor partial;
+  float* part = nullptr;
+  const int64_t part_stride = s.B * s.Q * s.T;
+  if (n_groups > 1) {
+    partial = at::empty({n_groups, s.B, s.Q, s.T}, at::kFloat);
+    part = partial.data_ptr<float>();
+  }
+  at::parallel_for(0, units_bt * n_groups, 1, [&](int64_t begin, int64_t end) {
+    AttnScratch<T_> w(M, s.T, s.d);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t grp = u % n_groups, tile = (u / n_groups) % n_tiles, b = u / (n_groups * n_tiles);
+      const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
+      const int64_t h0 = grp * heads_per_group, h1 = std::min(s.H_kv, h0 + heads_per_group);
+      float* acc = (n_groups > 1 ? part + grp * part_stride : probs) + (b * s.Q + q0) * s.T;
+      if (n_valid[b] == 0) {
+        if (grp == 0) zero_batch(b, q0, Qt_);
+        if (n_groups > 1) std::fill_n(acc, Qt_ * s.T, 0.f);
+        continue;
+      }
+      if (h0 >= h1) {  // an empty trailing group still owns a zero slice
+        std::fill_n(acc, Qt_ * s.T, 0.f);
+        continue;
+      }
+      const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
+      for (int64_t kvh = h0; kvh < h1; ++kvh)
+        attend_tile(s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, acc, kvh == h0);
+      if (n_groups == 1) scale_rows(acc, Qt_ * s.T, inv_h);
+    }
+  });
+  if (n_groups > 1) {
+    at::parallel_for(0, s.B * s.Q, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row)
+        sum_parts(part + row * s.T, n_groups, part_stride, s.T, inv_h, probs + row * s.T);
+    });
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q,
+                                                        const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache,
+                                                        const std::optional<at::Tensor>& key_valid,
+                                                        double scale, bool return_probs) {
+  check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
+  AttnShape s{q.size(0), q.size(1), q.size(2), k_cache.size(1), 0, k_cache.size(2), q.size(3)};
+  s.G = s.H / s.H_kv;
+  const auto qc = q.contiguous();
+  const auto kc = k_cache.contiguous();
+  const auto vc = v_cache.contiguous();
+  auto out = at::empty({s.B, s.Q, s.H, s.d}, q.options());
+  auto probs = return_probs ? at::empty({s.B, s.Q, s.T}, q.options().dtype(at::kFloat))
+                            : at::empty({0}, q.options().dtype(at::kFloat));
+  if (s.B == 0 || s.Q == 0) return {out, probs};
+  at::Tensor valid_c, n_valid;
+  const bool* valid_p = nullptr;
+  if (key_valid.has_value()) {
+    valid_c = key_valid->contiguous();
+    valid_p = valid_c.const_data_ptr<bool>();
+    n_valid = valid_c.sum(1);
+  } else {
+    n_valid = at::full({s.B}, s.T, at::kLong);
+  }
+  n_valid = n_valid.to(at::kLong).contiguous();
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
+    sparse_attention_kernel<scalar_t>(
+        s, qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
+        vc.const_data_ptr<scalar_t>(), valid_p, n_valid.const_data_ptr<int64_t>(),
+        static_cast<float>(scale), out.mutable_data_ptr<scalar_t>(),
+        return_probs ? probs.mutable_data_ptr<float>() : nullptr);
+  });
+  return {out, probs};
+}
+
+// ============================================================================
+// gather_rows / scatter_rows
+// ============================================================================
+// Pure data movement, so any dtype: rows are copied as bytes (memcpy when a
+// row is contiguous, element by element otherwise).
+
+void copy_row(const char* src, int64_t src_step, char* dst, int64_t dst_step, int64_t C,
+              int64_t esize) {
+  if (src_step == esize && dst_step == esize) {
+    std::memcpy(dst, src, C * esize);
+    return;
+  }
+  for (int64_t c = 0; c < C; ++c) std::memcpy(dst + c * dst_step, src + c * src_step, esize);
+}
+
+at::Tensor gather_rows_cpu(const at::Tensor& x, const at::Tensor& idx) {
+  constexpr const char* op = "gather_rows";
+  check_gather_rows(x, idx);
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), Q = idx.size(1);
+  const auto idx_c = idx.contiguous();
+  const int64_t* ip = idx_c.const_data_ptr<int64_t>();
+  raise_index_error(op, find_index_error(ip, B, Q, T, /*unique=*/false), T);
+  auto out = at::empty({B, Q, C}, x.options());
+  const int64_t es = x.element_size();
+  const char* xp = static_cast<const char*>(x.const_data_ptr());
+  char* op_ = static_cast<char*>(out.mutable_data_ptr());
+  const int64_t sb = x.stride(0) * es, st = x.stride(1) * es, sc = x.stride(2) * es;
+  at::parallel_for(0, B * Q, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, C * es)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      char* dst = op_ + r * C * es;
+      const int64_t i = ip[r];
+      if (i < 0) {
+        std::memset(dst, 0, C * es);  // padding rows are zeros
+      } else {
+        copy_row(xp + (r / Q) * sb + i * st, sc, dst, es, C, es);
+      }
+    }
+  });
+  return out;
+}
+
+void scatter_rows_cpu(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& idx) {
+  constexpr const char* op = "scatter_rows";
+  check_scatter_rows(dst, src, idx);
+  const int64_t B = dst.size(0), T = dst.size(1), C = dst.size(2), Q = idx.size(1);
+  const auto idx_c = idx.contiguous();
+  const int64_t* ip = idx_c.const_data_ptr<int64_t>();
+  raise_index_error(op, find_index_error(ip, B, Q, T, /*unique=*/true), T);
+  const int64_t es = dst.element_size();
+  char* dp = static_cast<char*>(dst.mutable_data_ptr());
+  const char* sp = static_cast<const char*>(src.const_data_ptr());
+  const int64_t db = dst.stride(0) * es, dt = dst.stride(1) * es, dc = dst.stride(2) * es;
+  const int64_t sb = src.stride(0) * es, sq = src.stride(1) * es, sc = src.stride(2) * es;
+  at::parallel_for(0, B * Q, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, C * es)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = ip[r], b = r / Q, j = r % Q;
+      if (i < 0) continue;
+      copy_row(sp + b * sb + j * sq, sc, dp + b * db + i * dt, dc, C, es);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dllm, CPU, m) {
+  m.impl("rope_scatter_kv", &rope_scatter_kv_cpu);
+  m.impl("sparse_attention", &sparse_attention_cpu);
+  m.impl("gather_rows", &gather_rows_cpu);
+  m.impl("scatter_rows", &scatter_rows_cpu);
+}
+
+}  // namespace dllm

@@ -1,0 +1,165 @@
+// Launch glue of the `sparse_kv` family: validation, dtype dispatch, launches.
+#include "cuda/glue.h"
+#include "common/dispatch.h"
+#include "common/sparse_kv_checks.h"
+#include "cuda/sparse_kv.cuh"
+
+namespace dllm {
+namespace {
+
+cuda::Strides4 strides4(const at::Tensor& t) {
+  return cuda::Strides4{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// Runs the validation kernel over idx [B, Q] (contiguous, on the device) and
+// reads its one error record back: the only host sync these ops make.
+IndexError validate_on_device(const at::Tensor& idx, const at::Tensor* positions, int64_t T,
+                              int64_t n_positions, bool unique) {
+  const int64_t B = idx.size(0), Q = idx.size(1);
+  auto err = at::zeros({5}, idx.options().dtype(at::kLong));
+  at::Tensor seen;
+  if (unique) seen = at::zeros({B, T}, idx.options().dtype(at::kInt));
+  cuda::launch_validate_indices(idx.const_data_ptr<int64_t>(),
+                                positions ? positions->const_data_ptr<int64_t>() : nullptr, B, Q,
+                                T, n_positions, unique ? seen.mutable_data_ptr<int>() : nullptr,
+                                reinterpret_cast<long long*>(err.mutable_data_ptr<int64_t>()),
+                                DLLM_CUDA_STREAM());
+  DLLM_CUDA_LAUNCH_CHECK();
+  const auto host = err.cpu();
+  const int64_t* e = host.const_data_ptr<int64_t>();
+  if ((e[0] & 0xffffffff) == 0) return IndexError{};
+  return IndexError{e[1], e[2], e[3], e[4]};
+}
+
+void check_launch_dims(const char* op, int64_t B, int64_t rows, int64_t y) {
+  DLLM_CHECK(B <= 65535 && y <= 65535 && rows <= INT32_MAX, op,
+             "sizes too large for one launch (B = ", B, ", ", y, " by ", rows, ")");
+}
+
+void rope_scatter_kv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& positions, const at::Tensor& cos_sin,
+                          const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& idx) {
+  constexpr const char* op = "rope_scatter_kv";
+  check_rope_scatter_kv(q, k, v, positions, cos_sin, k_cache, v_cache, idx);
+  check_kernel_device(q, op, "q");
+  DLLM_CUDA_GUARD(q);
+  const int64_t B = q.size(0), Q = q.size(1), T = k_cache.size(2), P = cos_sin.size(0);
+  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many tokens (", B * Q, ") for one launch");
+  const auto pos_c = positions.contiguous();
+  const auto idx_c = idx.contiguous();
+  const auto table = cos_sin.contiguous();
+  // Validate every index before writing anything: on error nothing changes.
+  raise_index_error(op, validate_on_device(idx_c, &pos_c, T, P, /*unique=*/true), T, P);
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::rope_scatter_kv", [&] {
+    cuda::launch_rope_scatter_kv(
+        kernel_mut_ptr<scalar_t>(q), kernel_ptr<scalar_t>(k), kernel_ptr<scalar_t>(v),
+        pos_c.const_data_ptr<int64_t>(), table.const_data_ptr<float>(),
+        kernel_mut_ptr<scalar_t>(k_cache), kernel_mut_ptr<scalar_t>(v_cache),
+        idx_c.const_data_ptr<int64_t>(), B, Q, static_cast<int>(q.size(2)),
+        static_cast<int>(k.size(2)), static_cast<int>(q.size(3)), strides4(q), strides4(k),
+        strides4(v), strides4(k_cache), strides4(v_cache), DLLM_CUDA_STREAM());
+  });
+  DLLM_CUDA_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
+                                                         const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache,
+                                                         const std::optional<at::Tensor>& key_valid,
+                                                         double scale, bool return_probs) {
+  constexpr const char* op = "sparse_attention";
+  check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
+  check_kernel_device(q, op, "q");
+  DLLM_CUDA_GUARD(q);
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), d = q.size(3);
+  const int64_t H_kv = k_cache.size(1), T = k_cache.size(2);
+  check_launch_dims(op, B, Q * (H / H_kv), H_kv);
+  DLLM_CHECK(Q <= 4 * 65535 && T <= INT32_MAX && Q * H <= INT32_MAX, op,
+             "sizes too large for one launch (Q = ", Q, ", T = ", T, ")");
+  const auto qc = q.contiguous();
+  const auto kc = k_cache.contiguous();
+  const auto vc = v_cache.contiguous();
+  at::Tensor valid_c;
+  if (key_valid.has_value()) valid_c = key_valid->contiguous();
+  auto out = at::empty({B, Q, H, d}, q.options());
+  const auto f32 = q.options().dtype(at::kFloat);
+  auto probs = return_probs ? at::empty({B, Q, T}, f32) : at::empty({0}, f32);
+  at::Tensor stats;
+  if (return_probs) stats = at::empty({B, Q, H, 2}, f32);
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
+    cuda::launch_sparse_attention(
+        kernel_ptr<scalar_t>(qc), kernel_ptr<scalar_t>(kc), kernel_ptr<scalar_t>(vc),
+        valid_c.defined() ? valid_c.const_data_ptr<bool>() : nullptr, static_cast<float>(scale),
+        kernel_mut_ptr<scalar_t>(out), return_probs ? stats.mutable_data_ptr<float>() : nullptr,
+        return_probs ? probs.mutable_data_ptr<float>() : nullptr, static_cast<int>(B),
+        static_cast<int>(Q), static_cast<int>(H), static_cast<int>(H_kv), static_cast<int>(T),
+        static_cast<int>(d), DLLM_CUDA_STREAM());
+  });
+  DLLM_CUDA_LAUNCH_CHECK();
+  return {out, probs};
+}
+
+// Element size -> the unsigned type the copy kernels move.
+template <typename F>
+void dispatch_element_size(int64_t size, const char* op, F&& f) {
+  switch (size) {
+    case 1: return f(uint8_t{});
+    case 2: return f(uint16_t{});
+    case 4: return f(uint32_t{});
+    case 8: return f(uint64_t{});
+    default: DLLM_CHECK(false, op, "unsupported element size ", size, " bytes");
+  }
+}
+
+at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& idx) {
+  constexpr const char* op = "gather_rows";
+  check_gather_rows(x, idx);
+  check_kernel_device(x, op, "x");
+  DLLM_CUDA_GUARD(x);
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), Q = idx.size(1);
+  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many rows (", B * Q, ") for one launch");
+  const auto idx_c = idx.contiguous();
+  raise_index_error(op, validate_on_device(idx_c, nullptr, T, 0, /*unique=*/false), T);
+  auto out = at::empty({B, Q, C}, x.options());
+  dispatch_element_size(x.element_size(), op, [&](auto tag) {
+    using E = decltype(tag);
+    cuda::launch_gather_rows(static_cast<const E*>(x.const_data_ptr()),
+                             idx_c.const_data_ptr<int64_t>(),
+                             static_cast<E*>(out.mutable_data_ptr()), B, Q, C, x.stride(0),
+                             x.stride(1), x.stride(2), DLLM_CUDA_STREAM());
+  });
+  DLLM_CUDA_LAUNCH_CHECK();
+  return out;
+}
+
+void scatter_rows_cuda(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& idx) {
+  constexpr const char* op = "scatter_rows";
+  check_scatter_rows(dst, src, idx);
+  check_kernel_device(dst, op, "dst");
+  DLLM_CUDA_GUARD(dst);
+  const int64_t B = dst.size(0), T = dst.size(1), C = dst.size(2), Q = idx.size(1);
+  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many rows (", B * Q, ") for one launch");
+  const auto idx_c = idx.contiguous();
+  raise_index_error(op, validate_on_device(idx_c, nullptr, T, 0, /*unique=*/true), T);
+  dispatch_element_size(dst.element_size(), op, [&](auto tag) {
+    using E = decltype(tag);
+    cuda::launch_scatter_rows(static_cast<E*>(dst.mutable_data_ptr()),
+                              static_cast<const E*>(src.const_data_ptr()),
+                              idx_c.const_data_ptr<int64_t>(), B, Q, C, dst.stride(0),
+                              dst.stride(1), dst.stride(2), src.stride(0), src.stride(1),
+                              src.stride(2), DLLM_CUDA_STREAM());
+  });
+  DLLM_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+DLLM_CUDA_LIBRARY(m) {
+  DLLM_CUDA_REGISTER(m, "rope_scatter_kv", rope_scatter_kv_cuda);
+  DLLM_CUDA_REGISTER(m, "sparse_attention", sparse_attention_cuda);
+  DLLM_CUDA_REGISTER(m, "gather_rows", gather_rows_cuda);
+  DLLM_CUDA_REGISTER(m, "scatter_rows", scatter_rows_cuda);
+}
+
+}  // namespace dllm

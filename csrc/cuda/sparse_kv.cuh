@@ -1,0 +1,398 @@
+// ATen-free CUDA kernels of the `sparse_kv` family: index validation, RoPE +
+// KV-cache scatter, sparse-query attention (flash-style, online softmax, plain
+// CUDA cores), head-averaged attention probabilities, row gather/scatter.
+#pragma once
+
+#include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
+#include "common/sparse_kv_math.h"
+
+#include <cstdint>
+
+namespace dllm {
+namespace cuda {
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// ============================================================================
+// Index validation
+// ============================================================================
+// err[0] is the "first error wins" flag (its low 32 bits, set with atomicCAS);
+// err[1..4] = {code, row, col, value} of that error (math::IndexErrorCode).
+// `seen` ([B, T] int32, zeroed) is only passed when indices must be distinct.
+
+__device__ __forceinline__ void report_index_error(long long* err, int code, long long row,
+                                                   long long col, long long value) {
+  if (atomicCAS(reinterpret_cast<int*>(err), 0, 1) == 0) {
+    err[1] = code;
+    err[2] = row;
+    err[3] = col;
+    err[4] = value;
+  }
+}
+
+__global__ void validate_indices_kernel(const int64_t* __restrict__ idx,
+                                        const int64_t* __restrict__ pos, int64_t Q, int64_t T,
+                                        int64_t n_positions, int* __restrict__ seen,
+                                        long long* __restrict__ err) {
+  const int64_t b = blockIdx.x;
+  for (int64_t j = threadIdx.x; j < Q; j += blockDim.x) {
+    const int64_t i = idx[b * Q + j];
+    if (i < 0) continue;  // padding
+    int code = math::check_row_index(i, T);
+    if (code != math::kIndexOk) {
+      report_index_error(err, code, b, j, i);
+      continue;
+    }
+    if (pos) {
+      const int64_t p = pos[b * Q + j];
+      code = math::check_position(p, n_positions);
+      if (code != math::kIndexOk) {
+        report_index_error(err, code, b, j, p);
+        continue;
+      }
+    }
+    if (seen && atomicAdd(seen + b * T + i, 1) != 0)
+      report_index_error(err, math::kIdxDuplicate, b, j, i);
+  }
+}
+
+inline void launch_validate_indices(const int64_t* idx, const int64_t* pos, int64_t B, int64_t Q,
+                                    int64_t T, int64_t n_positions, int* seen, long long* err,
+                                    stream_t stream) {
+  if (B == 0 || Q == 0) return;
+  DLLM_LAUNCH(validate_indices_kernel, dim3(static_cast<unsigned>(B)), dim3(row_block_threads(Q)),
+              0, stream, idx, pos, Q, T, n_positions, seen, err);
+}
+
+// ============================================================================
+// rope_scatter_kv
+// ============================================================================
+
+struct Strides4 {
+  int64_t s0, s1, s2, s3;
+};
+
+__device__ __forceinline__ int64_t offset4(const Strides4& s, int64_t i0, int64_t i1, int64_t i2,
+                                           int64_t i3) {
+  return i0 * s.s0 + i1 * s.s1 + i2 * s.s2 + i3 * s.s3;
+}
+
+// One block per token (b, j). Threads walk the q pairs, the k pairs and the v
+// elements of that token; every pair is read and written by one thread, so
+// rotating q in place is race-free. Indices were validated beforehand.
+template <typename T>
+__global__ void rope_scatter_kv_kernel(T* q, const T* __restrict__ k, const T* __restrict__ v,
+                                       const int64_t* __restrict__ pos,
+                                       const float* __restrict__ table, T* kc, T* vc,
+                                       const int64_t* __restrict__ idx, int64_t Q, int H, int H_kv,
+                                       int d, Strides4 qs, Strides4 ks, Strides4 vs, Strides4 kcs,
+                                       Strides4 vcs) {
+  const int64_t tok = blockIdx.x;
+  const int64_t slot = idx[tok];
+  if (slot < 0) return;  // padding token: nothing to do
+  const int64_t b = tok / Q, j = tok % Q;
+  const int half = d / 2;
+  const float* cos_a = table + pos[tok] * d;
+  const float* sin_a = cos_a + half;
+  for (int e = threadIdx.x; e < H * half; e += blockDim.x) {
+    const int h = e / half, i = e % half;
+    T* lo = q + offset4(qs, b, j, h, i);
+    T* hi = q + offset4(qs, b, j, h, i + half);
+    const math::RotatedPair r = math::rope_rotate_pair(to_float(*lo), to_float(*hi), cos_a[i], sin_a[i]);
+    *lo = from_float<T>(r.lo);
+    *hi = from_float<T>(r.hi);
+  }
+  for (int e = threadIdx.x; e < H_kv * half; e += blockDim.x) {
+    const int h = e / half, i = e % half;
+    const math::RotatedPair r = math::rope_rotate_pair(
+        to_float(k[offset4(ks, b, j, h, i)]), to_float(k[offset4(ks, b, j, h, i + half)]),
+        cos_a[i], sin_a[i]);
+    kc[offset4(kcs, b, h, slot, i)] = from_float<T>(r.lo);
+    kc[offset4(kcs, b, h, slot, i + half)] = from_float<T>(r.hi);
+  }
+  for (int e = threadIdx.x; e < H_kv * d; e += blockDim.x) {
+    const int h = e / d, i = e % d;
+    vc[offset4(vcs, b, h, slot, i)] = v[offset4(vs, b, j, h, i)];
+  }
+}
+
+template <typename T>
+void launch_rope_scatter_kv(T* q, const T* k, const T* v, const int64_t* pos, const float* table,
+                            T* kc, T* vc, const int64_t* idx, int64_t B, int64_t Q, int H, int H_kv,
+                            int d, Strides4 qs, Strides4 ks, Strides4 vs, Strides4 kcs,
+                            Strides4 vcs, stream_t stream) {
+  if (B * Q == 0) return;
+  const int work = (H + 2 * H_kv) * d / 2;
+  DLLM_LAUNCH(rope_scatter_kv_kernel<T>, dim3(static_cast<unsigned>(B * Q)),
+              dim3(row_block_threads(work)), 0, stream, q, k, v, pos, table, kc, vc, idx, Q, H,
+              H_kv, d, qs, ks, vs, kcs, vcs);
+}
+
+// ============================================================================
+// sparse_attention
+// ============================================================================
+// Rows: for batch b and KV head kvh, row r = qi * G + g is query qi of head
+// kvh * G + g (G = H / H_kv), so the G heads sharing a KV head read each K/V
+// tile from shared memory once. A block of 4 warps owns kRowsPerWarp rows per
+// warp and streams the keys in tiles of kKeys:
+//   lane l scores key t0 + l  (a d-long fp32 dot product from shared memory),
+//   the warp updates each row's online-softmax state (max m, sum l) and
+//   rescales its fp32 output accumulator, then adds p_t * V[t] for the tile
+//   (lane l owns output dims l, l + 32, ...).
+// With stats != nullptr the final (m, l) of each (b, q, h) are stored so the
+// probabilities kernel can normalise recomputed scores exactly.
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * kWarp;
+
+// Tile sizes per head-dim class: DCH = ceil(d / 32) chunks of 32 dims.
+template <int DCH>
+struct AttnTile {
+  static constexpr int kRowsPerWarp = DCH <= 4 ? 4 : 2;
+  static constexpr int kKeys = DCH <= 4 ? 32 : 16;
+  static constexpr int kRows = kAttnWarps * kRowsPerWarp;
+  static constexpr int kDim = DCH * kWarp;
+};
+
+// scale * (q . k); shared by both kernels so recomputed scores are identical.
+__device__ __forceinline__ float score_dot(const float* q, const float* k, int d, float scale) {
+  float s = 0.f;
+  for (int i = 0; i < d; ++i) s += q[i] * k[i];
+  return s * scale;
+}
+
+__device__ __forceinline__ bool key_is_valid(const bool* key_valid, int64_t b, int64_t T,
+                                             int64_t t) {
+  return t < T && (key_valid == nullptr || key_valid[b * T + t]);
+}
+
+template <typename T, int DCH>
+__global__ void __launch_bounds__(kAttnThreads)
+    sparse_attention_kernel(const T* __restrict__ q, const T* __restrict__ kc,
+                            const T* __restrict__ vc, const bool* __restrict__ key_valid,
+                            float scale, T* __restrict__ out, float* __restrict__ stats, int Q,
+                            int H, int H_kv, int T_len, int d) {
+  using Tile = AttnTile<DCH>;
+  constexpr int RW = Tile::kRowsPerWarp, BK = Tile::kKeys, R = Tile::kRows, DM = Tile::kDim;
+  __shared__ float qs[R][DM];
+  __shared__ float ks[BK][DM + 1];  // +1: lanes read different keys, conflict-free
+  __shared__ float vs[BK][DM];
+  const int G = H / H_kv;
+  const int kvh = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const int row0 = blockIdx.x * R, n_rows = Q * G;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+
+  for (int e = threadIdx.x; e < R * d; e += blockDim.x) {
+    const int rr = e / d, i = e % d, r = row0 + rr;
+    qs[rr][i] = r < n_rows ? to_float(q[((b * Q + r / G) * H + kvh * G + r % G) * d + i]) : 0.f;
+  }
+  const T* K = kc + (b * H_kv + kvh) * static_cast<int64_t>(T_len) * d;
+  const T* V = vc + (b * H_kv + kvh) * static_cast<int64_t>(T_len) * d;
+
+  math::SoftmaxState st[RW];
+  float acc[RW][DCH];
+#pragma unroll
+  for (int w = 0; w < RW; ++w) {
+    st[w] = math::softmax_state_empty();
+#pragma unroll
+    for (int c = 0; c < DCH; ++c) acc[w][c] = 0.f;
+  }
+
+  for (int t0 = 0; t0 < T_len; t0 += BK) {
+    __syncthreads();  // the previous tile is fully consumed (and qs is loaded)
+    for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+      const int kk = e / d, i = e % d;
+      const int64_t t = t0 + kk;
+      ks[kk][i] = t < T_len ? to_float(K[t * d + i]) : 0.f;
+      vs[kk][i] = t < T_len ? to_float(V[t * d + i]) : 0.f;
+    }
+    __syncthreads();
+    const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
+#pragma unroll
+    for (int w = 0; w < RW; ++w) {
+      const int rr = warp * RW + w;
+      if (row0 + rr >= n_rows) break;  // warp-uniform
+      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
+      const float m_new = fmaxf(st[w].m, warp_max(s));
+      const float corr = math::softmax_rescale(st[w].m, m_new);
+      const float p = math::softmax_weight(s, m_new);
+      st[w].l = st[w].l * corr + warp_sum(p);
+      st[w].m = m_new;
+#pragma unroll
+      for (int c = 0; c < DCH; ++c) acc[w][c] *= corr;
+      for (int kk = 0; kk < BK; ++kk) {
+        const float pk = __shfl_sync(kFullMask, p, kk);
+#pragma unroll
+        for (int c = 0; c < DCH; ++c) {
+          const int i = lane + c * kWarp;
+          if (i < d) acc[w][c] += pk * vs[kk][i];
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int w = 0; w < RW; ++w) {
+    const int r = row0 + warp * RW + w;
+    if (r >= n_rows) break;
+    const int64_t qi = r / G;
+    const int h = kvh * G + r % G;
+    const int64_t o = ((b * Q + qi) * H + h);
+    const float inv = math::softmax_inv_sum(st[w].l);
+#pragma unroll
+    for (int c = 0; c < DCH; ++c) {
+      const int i = lane + c * kWarp;
+      if (i < d) out[o * d + i] = from_float<T>(acc[w][c] * inv);
+    }
+    if (stats && lane == 0) {
+      stats[o * 2] = st[w].m;
+      stats[o * 2 + 1] = st[w].l;
+    }
+  }
+}
+
+// Head-averaged probabilities, second pass: a block owns 4 queries x 32 keys
+// of one batch row (warp = query, lane = key) and sums, over every head,
+// exp(s - m) / l with the final per-(query, head) state of the first pass.
+// Each output is written by exactly one thread, so no atomics are needed.
+constexpr int kProbQueries = kAttnWarps;
+constexpr int kProbKeys = kWarp;
+
+template <typename T, int DCH>
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_probs_kernel(const T* __restrict__ q, const T* __restrict__ kc,
+                           const bool* __restrict__ key_valid, const float* __restrict__ stats,
+                           float scale, float* __restrict__ probs, int Q, int H, int H_kv,
+                           int T_len, int d) {
+  constexpr int DM = DCH * kWarp;
+  __shared__ float qs[kProbQueries][DM];
+  __shared__ float ks[kProbKeys][DM + 1];
+  const int G = H / H_kv;
+  const int64_t b = blockIdx.z;
+  const int t0 = blockIdx.x * kProbKeys, q0 = blockIdx.y * kProbQueries;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t = t0 + lane;
+  const int qi = q0 + warp;
+  const bool key_ok = key_is_valid(key_valid, b, T_len, t);
+  float acc = 0.f;
+  for (int kvh = 0; kvh < H_kv; ++kvh) {
+    const T* K = kc + (b * H_kv + kvh) * static_cast<int64_t>(T_len) * d;
+    for (int g = 0; g < G; ++g) {
+      const int h = kvh * G + g;
+      __syncthreads();  // the previous head's rows (and key tile) are consumed
+      if (g == 0) {
+        for (int e = threadIdx.x; e < kProbKeys * d; e += blockDim.x) {
+          const int kk = e / d, i = e % d;
+          const int64_t tt = t0 + kk;
+          ks[kk][i] = tt < T_len ? to_float(K[tt * d + i]) : 0.f;
+        }
+      }
+      for (int e = threadIdx.x; e < kProbQueries * d; e += blockDim.x) {
+        const int w = e / d, i = e % d, qq = q0 + w;
+        qs[w][i] = qq < Q ? to_float(q[((b * Q + qq) * H + h) * d + i]) : 0.f;
+      }
+      __syncthreads();
+      if (qi < Q && key_ok) {
+        const int64_t o = (b * Q + qi) * H + h;
+        const float s = score_dot(qs[warp], ks[lane], d, scale);
+        acc += math::softmax_weight(s, stats[o * 2]) * math::softmax_inv_sum(stats[o * 2 + 1]);
+      }
+    }
+  }
+  if (qi < Q && t < T_len) probs[(b * Q + qi) * T_len + t] = key_ok ? acc / H : 0.f;
+}
+
+template <typename T, int DCH>
+void launch_sparse_attention_d(const T* q, const T* kc, const T* vc, const bool* key_valid,
+                               float scale, T* out, float* stats, float* probs, int B, int Q,
+                               int H, int H_kv, int T_len, int d, stream_t stream) {
+  using Tile = AttnTile<DCH>;
+  const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
+  const dim3 grid(static_cast<unsigned>((rows + Tile::kRows - 1) / Tile::kRows),
+                  static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
+  // Named aliases: a template-id with a comma cannot be a macro argument.
+  const auto attention_kernel = sparse_attention_kernel<T, DCH>;
+  const auto probs_kernel = attention_probs_kernel<T, DCH>;
+  DLLM_LAUNCH(attention_kernel, grid, dim3(kAttnThreads), 0, stream, q, kc, vc, key_valid, scale,
+              out, stats, Q, H, H_kv, T_len, d);
+  if (!probs) return;
+  const dim3 pgrid(static_cast<unsigned>((T_len + kProbKeys - 1) / kProbKeys),
+                   static_cast<unsigned>((Q + kProbQueries - 1) / kProbQueries),
+                   static_cast<unsigned>(B));
+  DLLM_LAUNCH(probs_kernel, pgrid, dim3(kAttnThreads), 0, stream, q, kc, key_valid, stats, scale,
+              probs, Q, H, H_kv, T_len, d);
+}
+
+// out [B, Q, H, d]; stats [B, Q, H, 2] fp32 scratch and probs [B, Q, T] fp32
+// only with probabilities (both null otherwise). Requires 0 < d <= 256,
+// H % H_kv == 0, all tensors contiguous.
+template <typename T>
+void launch_sparse_attention(const T* q, const T* kc, const T* vc, const bool* key_valid,
+                             float scale, T* out, float* stats, float* probs, int B, int Q, int H,
+                             int H_kv, int T_len, int d, stream_t stream) {
+  if (B == 0 || Q == 0) return;
+  if (d <= 64)
+    launch_sparse_attention_d<T, 2>(q, kc, vc, key_valid, scale, out, stats, probs, B, Q, H, H_kv,
+                                    T_len, d, stream);
+  else if (d <= 128)
+    launch_sparse_attention_d<T, 4>(q, kc, vc, key_valid, scale, out, stats, probs, B, Q, H, H_kv,
+                                    T_len, d, stream);
+  else
+    launch_sparse_attention_d<T, 8>(q, kc, vc, key_valid, scale, out, stats, probs, B, Q, H, H_kv,
+                                    T_len, d, stream);
+}
+
+// ============================================================================
+// gather_rows / scatter_rows
+// ============================================================================
+// Data movement only: E is an unsigned integer of the element's size, so one
+// instantiation per size serves every dtype. Strides are in elements.
+
+template <typename E>
+__global__ void gather_rows_kernel(const E* __restrict__ x, const int64_t* __restrict__ idx,
+                                   E* __restrict__ out, int64_t Q, int64_t C, int64_t sb,
+                                   int64_t st, int64_t sc) {
+  const int64_t r = blockIdx.x;
+  const int64_t i = idx[r], b = r / Q;
+  E* dst = out + r * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    dst[c] = i < 0 ? E(0) : x[b * sb + i * st + c * sc];
+}
+
+template <typename E>
+__global__ void scatter_rows_kernel(E* __restrict__ dst, const E* __restrict__ src,
+                                    const int64_t* __restrict__ idx, int64_t Q, int64_t C,
+                                    int64_t db, int64_t dt, int64_t dc, int64_t sb, int64_t sq,
+                                    int64_t sc) {
+  const int64_t r = blockIdx.x;
+  const int64_t i = idx[r], b = r / Q, j = r % Q;
+  if (i < 0) return;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    dst[b * db + i * dt + c * dc] = src[b * sb + j * sq + c * sc];
+}
+
+template <typename E>
+void launch_gather_rows(const E* x, const int64_t* idx, E* out, int64_t B, int64_t Q, int64_t C,
+                        int64_t sb, int64_t st, int64_t sc, stream_t stream) {
+  if (B * Q == 0 || C == 0) return;
+  DLLM_LAUNCH(gather_rows_kernel<E>, dim3(static_cast<unsigned>(B * Q)), dim3(row_block_threads(C)),
+              0, stream, x, idx, out, Q, C, sb, st, sc);
+}
+
+template <typename E>
+void launch_scatter_rows(E* dst, const E* src, const int64_t* idx, int64_t B, int64_t Q, int64_t C,
+                         int64_t db, int64_t dt, int64_t dc, int64_t sb, int64_t sq, int64_t sc,
+                         stream_t stream) {
+  if (B * Q == 0 || C == 0) return;
+  DLLM_LAUNCH(scatter_rows_kernel<E>, dim3(static_cast<unsigned>(B * Q)),
+              dim3(row_block_threads(C)), 0, stream, dst, src, idx, Q, C, db, dt, dc, sb, sq, sc);
+}
+
+}  // namespace cuda
+}  // namespace dllm

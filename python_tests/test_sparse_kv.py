@@ -1,0 +1,451 @@
+"""sparse_kv family: rope_scatter_kv, sparse_attention, gather_rows, scatter_rows.
+
+Every op runs on cpu / sim / cuda (backends.py) against dllm_ops.reference.
+Sizes stay small: the sim backend runs CUDA threads as fibers on the CPU.
+"""
+import pytest
+import torch
+from torch.library import opcheck
+
+import dllm_ops
+from dllm_ops import reference
+from dllm_ops.rope import rope_cos_sin
+from backends import BACKENDS, op, to
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Element-wise RoPE: fp32 math rounded once, so one ulp of the dtype.
+ROPE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
+            torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+# Attention outputs vs the float64 oracle on the same (rounded) inputs.
+ATTN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=5e-3, atol=5e-3),
+            torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+PROBS_TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 softmax of exact-input scores
+
+# (B, Q, H, H_kv, T, d): GQA ratios 1 and 7, d = 64 / 128 plus edge head dims
+# (16, 30 = not a multiple of 32, 256 = the largest), odd T, T = 1, and sizes
+# that reach the tiling edge cases of the CPU and CUDA kernels.
+ATTN_SHAPES = [
+    (2, 5, 7, 1, 37, 64),
+    (2, 6, 4, 4, 33, 128),
+    (1, 3, 14, 2, 19, 128),
+    (3, 1, 2, 1, 1, 16),
+    (1, 4, 2, 2, 70, 256),
+    (1, 2, 2, 1, 5, 30),
+    (1, 70, 2, 2, 40, 16),  # several query tiles on the CPU (64 rows each)
+    (2, 3, 6, 6, 11, 16),   # CPU probs path: KV heads split into uneven groups
+]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rnd(g, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _left_padded(B, T, pads):
+    valid = torch.ones(B, T, dtype=torch.bool)
+    for b, n in enumerate(pads):
+        valid[b, :n] = False
+    return valid
+
+
+def _slots(g, B, Q, T, n_pad=0):
+    """[B, Q] distinct random slots per row; the last n_pad entries of row 0 are -1."""
+    idx = torch.stack([torch.randperm(T, generator=g)[:Q] for _ in range(B)])
+    if n_pad:
+        idx[0, Q - n_pad:] = -1
+    return idx
+
+
+# ---- rope table ------------------------------------------------------------------
+
+def test_rope_table_layout_matches_model_formula():
+    theta, d, P = 500000.0, 128, 77
+    table = rope_cos_sin(theta, d, P)
+    assert table.shape == (P, d) and table.dtype == torch.float32 and table.is_contiguous()
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(P, dtype=torch.float32)[:, None] * inv
+    assert torch.equal(table[:, : d // 2], ang.cos())
+    assert torch.equal(table[:, d // 2:], ang.sin())
+    # Double-precision truth: the fp32 table is within fp32 rounding of it.
+    inv64 = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang64 = torch.arange(P, dtype=torch.float64)[:, None] * inv64
+    torch.testing.assert_close(table[:, : d // 2].double(), ang64.cos(), rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="even"):
+        rope_cos_sin(theta, 7, 4)
+
+
+# ---- rope_scatter_kv ---------------------------------------------------------------
+
+def rope_inputs(dtype, seed=0):
+    """(q, k, v, positions, cos_sin, k_cache, v_cache, idx, label)."""
+    g = _gen(seed)
+    P = 64
+    for B, Q, H, H_kv, T, d, n_pad in [(2, 5, 7, 1, 37, 64, 2), (2, 6, 4, 4, 33, 128, 0),
+                                       (1, 3, 14, 2, 19, 128, 1), (3, 1, 2, 1, 1, 16, 0)]:
+        table = rope_cos_sin(10000.0, d, P)
+        q = _rnd(g, B, Q, H, d, dtype=dtype)
+        k, v = _rnd(g, B, Q, H_kv, d, dtype=dtype), _rnd(g, B, Q, H_kv, d, dtype=dtype)
+        pos = torch.randint(0, P, (B, Q), generator=g)
+        if n_pad:
+            pos[0, Q - n_pad:] = 10 ** 6  # padding: its position is never read
+        kc, vc = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
+        yield q, k, v, pos, table, kc, vc, _slots(g, B, Q, T, n_pad), f"{(B, Q, H, H_kv, T, d)} pad={n_pad}"
+    # Non-contiguous everything: q / k / v as transposed views, caches as
+    # slices of larger buffers (row stride != d * T), positions != slots.
+    B, Q, H, H_kv, T, d = 2, 4, 4, 2, 11, 32
+    table = rope_cos_sin(500000.0, d, 40)
+    q = _rnd(g, B, H, Q, d, dtype=dtype).transpose(1, 2)
+    k = _rnd(g, B, H_kv, Q, d, dtype=dtype).transpose(1, 2)
+    v = _rnd(g, Q, B, H_kv, d, dtype=dtype).transpose(0, 1)
+    kc = _rnd(g, B, H_kv, T + 5, d + 2, dtype=dtype)[:, :, 2: T + 2, 1: d + 1]
+    vc = _rnd(g, B, H_kv, T, 2 * d, dtype=dtype)[..., ::2]
+    pos = torch.randint(0, 40, (B, Q), generator=g)
+    yield q, k, v, pos, table, kc, vc, _slots(g, B, Q, T), "strided views"
+
+
+def _run_rope(f, backend, q, k, v, pos, table, kc, vc, idx):
+    q, k, v, pos, table, kc, vc, idx = to(backend, q.clone(), k, v, pos, table, kc.clone(), vc.clone(), idx)
+    f(q, k, v, pos, table, kc, vc, idx)
+    return q.cpu(), kc.cpu(), vc.cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_scatter_kv_matches_reference(backend, dtype):
+    f = op(backend, "rope_scatter_kv")
+    for q, k, v, pos, table, kc, vc, idx, label in rope_inputs(dtype):
+        got_q, got_kc, got_vc = _run_rope(f, backend, q, k, v, pos, table, kc, vc, idx)
+        want_q, want_kc, want_vc = q.clone(), kc.clone(), vc.clone()
+        reference.rope_scatter_kv(want_q, k, v, pos, table, want_kc, want_vc, idx)
+        msg = lambda m: f"{label}: {m}"  # noqa: E731
+        torch.testing.assert_close(got_q, want_q, **ROPE_TOL[dtype], msg=msg)
+        torch.testing.assert_close(got_kc, want_kc, **ROPE_TOL[dtype], msg=msg)
+        assert torch.equal(got_vc, want_vc), label  # v is copied, not computed
+        # Untouched slots and padding queries keep their exact bits.
+        for b in range(idx.shape[0]):
+            untouched = torch.ones(kc.shape[2], dtype=torch.bool)
+            untouched[idx[b][idx[b] >= 0]] = False
+            assert torch.equal(got_kc[b][:, untouched], kc[b][:, untouched]), label
+            assert torch.equal(got_q[b][idx[b] < 0], q[b][idx[b] < 0]), label
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_equals_prerope_storage_rotated_at_read(backend, dtype):
+    """Several steps of scattered writes into the post-RoPE cache equal what the
+    reference codes do: store pre-RoPE K and rotate all T keys at read time."""
+    f = op(backend, "rope_scatter_kv")
+    g = _gen(3)
+    B, H, H_kv, T, d = 2, 4, 2, 23, 64
+    table = rope_cos_sin(10000.0, d, 64)
+    positions = (_left_padded(B, T, [0, 4]).long().cumsum(1) - 1).clamp_min(0)  # LLaDA-style
+    kc = torch.zeros(B, H_kv, T, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    raw_k, raw_v = torch.zeros_like(kc), torch.zeros_like(kc)
+    kc, vc = to(backend, kc, vc)
+    for step, Q in enumerate([T, 5, 9, 1]):  # a full pass, then sparse updates
+        idx = _slots(g, B, Q, T, n_pad=1 if Q > 2 else 0)
+        q = _rnd(g, B, Q, H, d, dtype=dtype)
+        k, v = _rnd(g, B, Q, H_kv, d, dtype=dtype), _rnd(g, B, Q, H_kv, d, dtype=dtype)
+        pos = positions.gather(1, idx.clamp_min(0))
+        f(*to(backend, q, k, v, pos, table), kc, vc, to(backend, idx)[0])
+        for b in range(B):
+            keep = idx[b] >= 0
+            raw_k[b][:, idx[b][keep]] = k[b][keep].transpose(0, 1)
+            raw_v[b][:, idx[b][keep]] = v[b][keep].transpose(0, 1)
+    rotated = reference.apply_rope(raw_k.transpose(1, 2), positions, table).transpose(1, 2)
+    torch.testing.assert_close(kc.cpu(), rotated.to(dtype), **ROPE_TOL[dtype])
+    assert torch.equal(vc.cpu(), raw_v)
+
+
+# ---- sparse_attention ----------------------------------------------------------
+
+def attention_inputs(dtype, seed=0):
+    """(q, k_cache, v_cache, key_valid, scale, label)."""
+    g = _gen(seed)
+    for B, Q, H, H_kv, T, d in ATTN_SHAPES:
+        q = _rnd(g, B, Q, H, d, dtype=dtype)
+        kc, vc = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
+        valid = torch.rand(B, T, generator=g) > 0.3
+        valid[:, -1] = True  # at least one valid key per row here
+        yield q, kc, vc, valid, d ** -0.5, f"{(B, Q, H, H_kv, T, d)} random mask"
+        yield q, kc, vc, None, d ** -0.5, f"{(B, Q, H, H_kv, T, d)} no mask"
+    # Left padding with a batch row that has no valid key at all (-> zeros),
+    # larger logits (scale 1), non-contiguous q and caches.
+    B, Q, H, H_kv, T, d = 3, 5, 4, 2, 45, 64
+    q = _rnd(g, B, H, Q, d, dtype=dtype).transpose(1, 2)
+    kc = _rnd(g, B, H_kv, T + 4, d, dtype=dtype)[:, :, 3: T + 3]
+    vc = _rnd(g, B, T, H_kv, d, dtype=dtype).transpose(1, 2)
+    yield q, kc, vc, _left_padded(B, T, [0, T, 17]), 1.0, "left padding, empty row, strided"
+
+
+def _check_probs_properties(probs, valid, label):
+    """Rows sum to 1 over valid keys, exactly 0 on invalid keys; rows of a batch
+    entry without valid keys are all 0."""
+    B, Q, T = probs.shape
+    if valid is None:
+        valid = torch.ones(B, T, dtype=torch.bool)
+    assert torch.all(probs[~valid[:, None, :].expand(B, Q, T)] == 0), label
+    has_keys = valid.any(1)
+    sums = probs.double().sum(-1)
+    torch.testing.assert_close(sums[has_keys], torch.ones_like(sums[has_keys]), rtol=0, atol=1e-5,
+                               msg=lambda m: f"{label}: {m}")
+    assert torch.all(probs[~has_keys] == 0), label
+    assert torch.all(probs >= 0), label
+
+
+@pytest.mark.parametrize("return_probs", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_attention_matches_reference(backend, dtype, return_probs):
+    f = op(backend, "sparse_attention")
+    for q, kc, vc, valid, scale, label in attention_inputs(dtype):
+        out, probs = f(*to(backend, q, kc, vc, valid), scale, return_probs)
+        want_out, want_probs = reference.sparse_attention(q, kc, vc, valid, scale, return_probs)
+        msg = lambda m: f"{label}: {m}"  # noqa: E731
+        assert out.dtype == dtype and out.shape == q.shape, label
+        torch.testing.assert_close(out.cpu().float(), want_out.float(), **ATTN_TOL[dtype], msg=msg)
+        assert probs.dtype == torch.float32, label
+        if not return_probs:
+            assert probs.shape == (0,), label
+            continue
+        assert probs.shape == (q.shape[0], q.shape[1], kc.shape[2]), label
+        torch.testing.assert_close(probs.cpu(), want_probs, **PROBS_TOL, msg=msg)
+        _check_probs_properties(probs.cpu(), valid, label)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_attention_empty_row_gives_zeros(backend):
+    f = op(backend, "sparse_attention")
+    g = _gen(5)
+    q, kc, vc = _rnd(g, 2, 3, 2, 16), _rnd(g, 2, 1, 9, 16), _rnd(g, 2, 1, 9, 16)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1] = False
+    out, probs = f(*to(backend, q, kc, vc, valid), 0.25, True)
+    assert torch.all(out[1] == 0) and torch.all(probs[1] == 0)
+    assert torch.isfinite(out).all() and not torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_scatter_then_attention_equals_dense_rope_attention(backend, dtype):
+    """idx = all positions (in a random order per row): the sparse path equals
+    dense attention with RoPE applied to every q and k (float64 oracle)."""
+    rope, attn = op(backend, "rope_scatter_kv"), op(backend, "sparse_attention")
+    g = _gen(11)
+    for B, H, H_kv, T, d in [(2, 7, 1, 21, 64), (1, 4, 4, 17, 128), (2, 14, 2, 9, 128)]:
+        table = rope_cos_sin(500000.0, d, 64)
+        valid = _left_padded(B, T, [0, 3][:B])
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        q_tok, k_tok, v_tok = (_rnd(g, B, T, n, d, dtype=dtype) for n in (H, H_kv, H_kv))
+        perm = torch.stack([torch.randperm(T, generator=g) for _ in range(B)])  # idx: all slots
+        take = lambda x: torch.stack([x[b, perm[b]] for b in range(B)])  # noqa: E731
+        q, k, v, pos = take(q_tok), take(k_tok), take(v_tok), take(positions)
+        kc = torch.zeros(B, H_kv, T, d, dtype=dtype)
+        q, k, v, pos, tab, kc, vc, idx, vd = to(backend, q, k, v, pos, table, kc, torch.zeros_like(kc),
+                                                perm, valid)
+        rope(q, k, v, pos, tab, kc, vc, idx)
+        out, probs = attn(q, kc, vc, vd, d ** -0.5, True)
+        # Dense reference on canvas order, float64 throughout.
+        q_rot = reference.apply_rope(q_tok, positions, table)
+        k_rot = reference.apply_rope(k_tok, positions, table).transpose(1, 2)
+        want, p = reference.attention_f64(q_rot, k_rot, v_tok.transpose(1, 2), valid, d ** -0.5)
+        label = f"{(B, H, H_kv, T, d)}"
+        torch.testing.assert_close(out.cpu().double(), take(want), **ATTN_TOL[dtype],
+                                   msg=lambda m: f"{label}: {m}")
+        tol = PROBS_TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(probs.cpu().double(), take(p.mean(1)), **tol,
+                                   msg=lambda m: f"{label}: {m}")
+
+
+# ---- gather_rows / scatter_rows ---------------------------------------------------
+
+ROW_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+def rows_inputs(dtype, seed=0):
+    """(x [B, T, C], idx [B, Q], label), strided and padded cases included."""
+    g = _gen(seed)
+
+    def rnd(*shape):
+        x = torch.randn(*shape, generator=g) * 5
+        return (x > 0) if dtype == torch.bool else x.to(dtype)
+
+    yield rnd(2, 9, 7), _slots(g, 2, 4, 9), "plain"
+    yield rnd(3, 5, 1), _slots(g, 3, 5, 5, n_pad=2), "C=1, padded"
+    yield rnd(1, 33, 300), _slots(g, 1, 8, 33, n_pad=3), "wide rows"
+    yield rnd(2, 11, 13).transpose(1, 2).transpose(1, 2)[:, 1:, ::2], _slots(g, 2, 3, 10), "strided"
+    yield rnd(9, 2, 6).transpose(0, 1), _slots(g, 2, 2, 9), "transposed"
+    yield rnd(2, 4, 3), torch.full((2, 0), -1, dtype=torch.long), "Q=0"
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_rows_matches_reference(backend, dtype):
+    f = op(backend, "gather_rows")
+    for x, idx, label in rows_inputs(dtype):
+        got = f(*to(backend, x, idx)).cpu()
+        assert got.is_contiguous() and got.dtype == dtype, label
+        assert torch.equal(got, reference.gather_rows(x, idx)), label
+    # Repeated indices are fine for a gather.
+    x = torch.arange(12.0).view(1, 4, 3)
+    got = f(*to(backend, x, torch.tensor([[2, 2, -1, 0]]))).cpu()
+    assert torch.equal(got, torch.stack([x[0, 2], x[0, 2], torch.zeros(3), x[0, 0]])[None])
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_rows_matches_reference(backend, dtype):
+    f = op(backend, "scatter_rows")
+    g = _gen(7)
+    for x, idx, label in rows_inputs(dtype, seed=1):
+        B, Q, C = idx.shape[0], idx.shape[1], x.shape[2]
+        src = torch.randn(B, Q, C, generator=g).to(dtype) if dtype != torch.bool else \
+            torch.rand(B, Q, C, generator=g) > 0.5
+        want = x.clone()
+        reference.scatter_rows(want, src, idx)
+        # Into a contiguous dst, and into a view whose rows are strided in memory.
+        dense = to(backend, x.contiguous().clone())[0]
+        strided = to(backend, x.transpose(1, 2).contiguous())[0].transpose(1, 2)
+        for dst in (dense, strided):
+            f(dst, *to(backend, src, idx))
+            assert torch.equal(dst.cpu(), want), label
+
+
+# ---- opcheck --------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_sparse_kv_opcheck(backend):
+    op(backend, "sparse_attention")
+    for q, k, v, pos, table, kc, vc, idx, _ in list(rope_inputs(torch.float32))[:2]:
+        opcheck(torch.ops.dllm.rope_scatter_kv.default, to(backend, q.clone(), k, v, pos, table, kc, vc, idx))
+    for q, kc, vc, valid, scale, _ in list(attention_inputs(torch.float32))[:3]:
+        for rp in (False, True):
+            opcheck(torch.ops.dllm.sparse_attention.default, (*to(backend, q, kc, vc, valid), scale, rp))
+    for x, idx, _ in list(rows_inputs(torch.float32))[:3]:
+        opcheck(torch.ops.dllm.gather_rows.default, to(backend, x, idx))
+        src = torch.randn(idx.shape[0], idx.shape[1], x.shape[2])
+        opcheck(torch.ops.dllm.scatter_rows.default, to(backend, x.clone(), src, idx))
+
+
+# ---- bad input ----------------------------------------------------------------------
+
+def _rope_args(**over):
+    B, Q, H, H_kv, T, d = 2, 3, 4, 2, 7, 8
+    a = dict(q=torch.randn(B, Q, H, d), k=torch.randn(B, Q, H_kv, d), v=torch.randn(B, Q, H_kv, d),
+             positions=torch.tensor([[0, 1, 2], [3, 4, 5]]), cos_sin=rope_cos_sin(1e4, d, 16),
+             k_cache=torch.zeros(B, H_kv, T, d), v_cache=torch.zeros(B, H_kv, T, d),
+             idx=torch.tensor([[0, 2, 4], [6, -1, 1]]))
+    a.update(over)
+    return a
+
+
+ROPE_BAD = [
+    (dict(k=torch.randn(2, 3, 2, 6), v=torch.randn(2, 3, 2, 6)), "k must be"),
+    (dict(v=torch.randn(2, 3, 1, 8)), "same shape"),
+    (dict(k_cache=torch.zeros(2, 2, 7, 8, dtype=torch.float16)), "same dtype"),
+    (dict(q=torch.randn(2, 3, 4, 8, dtype=torch.float64)), "float32, float16 or bfloat16"),
+    (dict(q=torch.randn(2, 3, 3, 8)), "multiple of H_kv"),
+    (dict(q=torch.randn(2, 3, 4, 7), k=torch.randn(2, 3, 2, 7), v=torch.randn(2, 3, 2, 7),
+          k_cache=torch.zeros(2, 2, 7, 7), v_cache=torch.zeros(2, 2, 7, 7),
+          cos_sin=torch.zeros(16, 7)), "even"),
+    (dict(cos_sin=rope_cos_sin(1e4, 8, 16).double()), "cos_sin must be Float"),
+    (dict(cos_sin=rope_cos_sin(1e4, 16, 16)), "cos_sin must be"),
+    (dict(idx=torch.tensor([[0, 2, 4], [6, -1, 1]], dtype=torch.int32)), "idx must be Long"),
+    (dict(idx=torch.tensor([[0, 2], [6, 1]])), "idx must have shape"),
+    (dict(idx=torch.tensor([[0, 2, 7], [6, -1, 1]])), r"idx\[0, 2\] = 7 is out of range"),
+    (dict(idx=torch.tensor([[0, 2, 4], [6, 1, 1]])), "duplicate idx 1 in row 1"),
+    (dict(positions=torch.tensor([[0, 16, 2], [3, 4, 5]])), r"positions\[0, 1\] = 16 is out of range"),
+    (dict(positions=torch.tensor([[0, 1, 2], [-3, 4, 5]])), r"positions\[1, 0\] = -3 is out of range"),
+    (dict(q=torch.randn(2, 1, 4, 8).expand(2, 3, 4, 8)), "must not share memory"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("over,msg", ROPE_BAD)
+def test_rope_scatter_kv_bad_input(backend, over, msg):
+    f = op(backend, "rope_scatter_kv")
+    args = _rope_args(**over)
+    with pytest.raises(RuntimeError, match=rf"dllm::rope_scatter_kv: .*{msg}"):
+        f(*to(backend, *args.values()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_scatter_kv_error_writes_nothing(backend):
+    f = op(backend, "rope_scatter_kv")
+    args = _rope_args(idx=torch.tensor([[0, 2, 4], [6, 5, 5]]))  # the duplicate is in the last row
+    args = dict(zip(args, to(backend, *args.values())))
+    before = {n: args[n].clone() for n in ("q", "k_cache", "v_cache")}
+    with pytest.raises(RuntimeError, match="duplicate"):
+        f(*args.values())
+    for n, t in before.items():
+        assert torch.equal(args[n], t), n
+
+
+ATTN_BAD = [
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), None),
+     "multiple of H_kv"),
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 6, 8), None), "same shape"),
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 6), torch.randn(1, 2, 5, 6), None), "head_dim"),
+    (lambda: (torch.randn(2, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None), "batch"),
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8).half(), torch.randn(1, 2, 5, 8).half(), None),
+     "same dtype"),
+    (lambda: (torch.randn(1, 2, 4, 8).long(), torch.randn(1, 2, 5, 8).long(), torch.randn(1, 2, 5, 8).long(),
+              None), "float32, float16 or bfloat16"),
+    (lambda: (torch.randn(2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None), "q .*4 dims"),
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+              torch.ones(1, 4, dtype=torch.bool)), "key_valid must be"),
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.ones(1, 5)),
+     "key_valid must be Bool"),
+    (lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8), None), "T > 0"),
+    (lambda: (torch.randn(1, 1, 2, 258), torch.randn(1, 1, 3, 258), torch.randn(1, 1, 3, 258), None),
+     "head_dim must be in"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make,msg", ATTN_BAD)
+def test_sparse_attention_bad_input(backend, make, msg):
+    f = op(backend, "sparse_attention")
+    with pytest.raises(RuntimeError, match=rf"dllm::sparse_attention: .*{msg}"):
+        f(*to(backend, *make()), 0.5, True)
+
+
+ROWS_BAD = [
+    ("gather_rows", lambda: (torch.randn(2, 5, 3), torch.tensor([[0, 5], [1, 2]])), r"idx\[0, 1\] = 5 is out of range"),
+    ("gather_rows", lambda: (torch.randn(2, 5, 3), torch.tensor([[0, 1]])), "idx must have shape"),
+    ("gather_rows", lambda: (torch.randn(2, 5), torch.tensor([[0], [1]])), "x .*3 dims"),
+    ("gather_rows", lambda: (torch.randn(2, 5, 3), torch.tensor([[0.0], [1.0]])), "idx must be Long"),
+    ("scatter_rows", lambda: (torch.randn(2, 5, 3), torch.randn(2, 2, 3), torch.tensor([[0, 1], [4, 4]])),
+     "duplicate idx 4 in row 1"),
+    ("scatter_rows", lambda: (torch.randn(2, 5, 3), torch.randn(2, 2, 3), torch.tensor([[0, 9], [1, 2]])),
+     "out of range"),
+    ("scatter_rows", lambda: (torch.randn(2, 5, 3), torch.randn(2, 2, 4), torch.tensor([[0, 1], [1, 2]])),
+     "src must be"),
+    ("scatter_rows", lambda: (torch.randn(2, 5, 3), torch.randn(2, 2, 3).half(), torch.tensor([[0, 1], [1, 2]])),
+     "same dtype"),
+    ("scatter_rows", lambda: (torch.randn(2, 1, 3).expand(2, 5, 3), torch.randn(2, 2, 3),
+                              torch.tensor([[0, 1], [1, 2]])), "must not share memory"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,make,msg", ROWS_BAD)
+def test_rows_bad_input(backend, name, make, msg):
+    f = op(backend, name)
+    with pytest.raises(RuntimeError, match=rf"dllm::{name}: .*{msg}"):
+        f(*to(backend, *make()))
+
+
+def test_sparse_attention_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, kc = torch.empty(2, 3, 4, 8), torch.empty(2, 2, 11, 8)
+        out, probs = torch.ops.dllm.sparse_attention(q, kc, kc, None, 0.5, True)
+        assert out.shape == q.shape and probs.shape == (2, 3, 11) and probs.dtype == torch.float32
+        _, probs = torch.ops.dllm.sparse_attention(q, kc, kc, None, 0.5, False)
+        assert probs.shape == (0,)
+        assert torch.ops.dllm.gather_rows(torch.empty(2, 9, 5), torch.empty(2, 4, dtype=torch.long)).shape == (2, 4, 5)

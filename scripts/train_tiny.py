@@ -1,0 +1,242 @@
+"""Train the shipped tiny dLLMs (tiny-llada, tiny-dream) on the task suite.
+
+Deterministic and CPU-only: one seed drives the data stream, the masking and
+the initialisation; torch runs on 2 threads with deterministic algorithms.
+
+Objective (masked diffusion, LLaDA SFT): every sequence is
+``<bos> prompt | answer <eos>...`` with the answer padded with EOS to the
+generation length. Per sequence a ratio t ~ U(eps, 1) is drawn (stratified
+over the batch, which keeps each t uniform while lowering the variance),
+each answer token is masked with probability t, the prompt is never masked,
+and the loss is the cross-entropy on masked tokens weighted by 1/t, divided by
+the answer length and averaged over the batch. Dream checkpoints use the
+shifted objective: the logits at position j-1 predict token j.
+
+    python scripts/train_tiny.py --model tiny-llada              # the shipped run
+    python scripts/train_tiny.py --model tiny-dream --steps 200  # a shortened run
+
+The log (losses, held-out loss and accuracies) is written to
+``<out>/train_log.json``; python_tests/test_tiny_models.py re-runs a prefix
+of the recorded run and compares.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dllm_ops.models import DiffusionLM, ModelConfig, save  # noqa: E402
+from dllm_ops.tasks import (BLOCK_LENGTH, GEN_LENGTH, TASKS, pack, problems, sample,  # noqa: E402
+                            task_tokenizer, vocab_ids)
+
+CKPT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "dllm_ops", "checkpoints")
+
+# Architectures and the training recipe of the shipped checkpoints.
+PRESETS = {
+    "tiny-llada": dict(arch="llada", hidden=128, layers=4, heads=4, kv_heads=4, inter=384,
+                       qkv_bias=False, rms_eps=1e-5),
+    "tiny-dream": dict(arch="dream", hidden=128, layers=4, heads=4, kv_heads=2, inter=384,
+                       qkv_bias=True, rms_eps=1e-6),
+}
+RECIPE = dict(steps=3000, batch=64, lr=2e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
+              eval_every=50)
+# How far python_tests/test_tiny_models.py re-runs the recorded training.
+REPRO_STEPS = 100
+
+
+def model_config(p: dict) -> ModelConfig:
+    v = vocab_ids()
+    return ModelConfig(arch=p["arch"], vocab_size=len(v), hidden_size=p["hidden"],
+                       n_layers=p["layers"], n_heads=p["heads"], n_kv_heads=p["kv_heads"],
+                       head_dim=p["hidden"] // p["heads"], intermediate_size=p["inter"],
+                       rms_eps=p["rms_eps"], rope_theta=10000.0, max_seq_len=256,
+                       qkv_bias=p["qkv_bias"], mask_id=v["<mask>"], eos_id=v["<eos>"],
+                       pad_id=v["<pad>"], bos_id=v["<bos>"])
+
+
+def init_weights(model: DiffusionLM, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
+def masked_batch(batch, gen: torch.Generator, eps: float):
+    """Canvas, key mask, masked canvas, mask positions and per-row t for one batch."""
+    x, valid, region = pack(batch, GEN_LENGTH)
+    B = x.shape[0]
+    u = torch.rand((), generator=gen)
+    t = eps + (1 - eps) * ((torch.arange(B) + u) / B)[torch.randperm(B, generator=gen)]
+    masked = region & (torch.rand(x.shape, generator=gen) < t[:, None])
+    xm = torch.where(masked, torch.full_like(x, vocab_ids()["<mask>"]), x)
+    return x, valid, xm, masked, t
+
+
+def diffusion_loss(model: DiffusionLM, x, valid, xm, masked, t) -> torch.Tensor:
+    logits = model(xm, valid).float()
+    if model.config.logit_shift:  # Dream: position j-1 predicts token j
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
+    ce = F.cross_entropy(logits[masked], x[masked], reduction="none")
+    w = (1.0 / t)[:, None].expand_as(masked)[masked] / GEN_LENGTH
+    return (ce * w).sum() / x.shape[0]
+
+
+@torch.no_grad()
+def dense_decode(model: DiffusionLM, batch, oneshot: bool = False, block_length: int = BLOCK_LENGTH):
+    """Low-confidence decoding, one token per step per block, with full forwards
+    (LLaDA's generate; the Dream block-start rule is not needed for a quality
+    probe). ``oneshot`` commits every position from the first forward: what a
+    cache that is never refreshed sees."""
+    v = vocab_ids()
+    x, valid, _ = pack(batch, GEN_LENGTH, with_answers=False)
+    L = x.shape[1] - GEN_LENGTH
+    shift = model.config.logit_shift
+
+    def logits_of(x):
+        lg = model(x, valid).float()
+        return torch.cat([lg[:, :1], lg[:, :-1]], 1) if shift else lg
+
+    if oneshot:
+        pred = logits_of(x).argmax(-1)
+        return pred[:, L:]
+    for s in range(L, x.shape[1], block_length):
+        for _ in range(block_length):
+            lg = logits_of(x)
+            prob, tok = lg.softmax(-1).max(-1)
+            cand = x == v["<mask>"]
+            cand[:, :s] = False
+            cand[:, s + block_length:] = False
+            if not cand.any():
+                break
+            conf = torch.where(cand, prob, torch.full_like(prob, -1.0))
+            j = conf.argmax(1)
+            rows = cand.any(1).nonzero().squeeze(1)
+            x[rows, j[rows]] = tok[rows, j[rows]]
+    return x[:, L:]
+
+
+def accuracy(model: DiffusionLM, n: int, oneshot: bool = False, seed: int = 0) -> dict[str, float]:
+    from dllm_ops.tasks import exact_match
+    out = {}
+    for task in TASKS:
+        probs = problems(task, n, seed, "test")
+        toks = dense_decode(model, probs, oneshot)
+        out[task] = sum(exact_match(p, r.tolist()) for p, r in zip(probs, toks)) / n
+    return out
+
+
+def heldout_batches(seed: int, per_task: int = 32):
+    """A fixed held-out batch per task with fixed masks: the loss the log tracks."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    out = []
+    for task in TASKS:
+        out.append(masked_batch(problems(task, per_task, seed, "test"), gen, 1e-3))
+    return out
+
+
+@torch.no_grad()
+def heldout_loss(model, batches) -> float:
+    model.eval()
+    loss = sum(float(diffusion_loss(model, *b)) for b in batches) / len(batches)
+    model.train()
+    return loss
+
+
+def train(preset: dict, recipe: dict, out: str | None, log_every: int = 50, acc_n: int = 0,
+          stop_after: int | None = None, progress=lambda s: print(s, flush=True)) -> dict:
+    """Train one model; `stop_after` ends the run early on the full run's schedule."""
+    torch.set_num_threads(2)
+    torch.manual_seed(recipe["seed"])
+    torch.use_deterministic_algorithms(True)
+    cfg = model_config(preset)
+    model = DiffusionLM(cfg)
+    init_weights(model, recipe["seed"])
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=recipe["lr"], betas=(0.9, 0.98))
+    steps, warm = recipe["steps"], recipe["warmup"]
+
+    def lr_at(s):  # linear warm-up, cosine decay to 10%
+        if s < warm:
+            return recipe["lr"] * (s + 1) / warm
+        return recipe["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
+
+    rng = random.Random(recipe["seed"])
+    gen = torch.Generator().manual_seed(recipe["seed"])
+    names = list(TASKS)
+    held = heldout_batches(recipe["seed"])
+    log = dict(preset=preset, recipe=recipe, torch=torch.__version__, train=[], heldout=[],
+               heldout_initial=heldout_loss(model, held))
+    t0, c0 = time.perf_counter(), time.process_time()
+    run = 0.0
+    for s in range(steps if stop_after is None else min(steps, stop_after)):
+        batch = [sample(names[rng.randrange(len(names))], rng, "train") for _ in range(recipe["batch"])]
+        loss = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s)
+        opt.step()
+        run += loss.item()
+        if (s + 1) % log_every == 0:
+            log["train"].append(dict(step=s + 1, loss=run / log_every, seconds=time.perf_counter() - t0))
+            run = 0.0
+        if (s + 1) % recipe["eval_every"] == 0 or s + 1 == steps:
+            hl = heldout_loss(model, held)
+            entry = dict(step=s + 1, loss=hl, seconds=time.perf_counter() - t0,
+                         cpu_seconds=time.process_time() - c0)
+            log["heldout"].append(entry)
+            progress(f"step {s + 1}/{steps}  train {log['train'][-1]['loss'] if log['train'] else float('nan'):.4f}"
+                     f"  heldout {hl:.4f}  {entry['seconds']:.0f}s")
+    log["train_seconds"] = time.perf_counter() - t0
+    log["train_cpu_seconds"] = time.process_time() - c0
+    model.eval()
+    if acc_n:
+        log["dense_accuracy"] = dict(n=acc_n, vanilla=accuracy(model, acc_n),
+                                     oneshot=accuracy(model, acc_n, oneshot=True))
+        progress(f"dense decode accuracy (n={acc_n}): {log['dense_accuracy']}")
+    if out:
+        save(model, out, tokenizer=task_tokenizer())
+        with open(os.path.join(out, "train_log.json"), "w") as f:
+            json.dump(log, f, indent=1)
+    log["model"] = model
+    return log
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(PRESETS), required=True)
+    p.add_argument("--out", help=f"checkpoint folder (default {CKPT_DIR}/<model>; '-' for none)")
+    for k, v in RECIPE.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    p.add_argument("--acc-n", type=int, default=100,
+                   help="held-out problems per task for the final dense-decode accuracy (0: skip)")
+    a = p.parse_args(argv)
+    recipe = {k: getattr(a, k) for k in RECIPE}
+    out = None if a.out == "-" else a.out or os.path.join(CKPT_DIR, a.model)
+    log = train(PRESETS[a.model], recipe, out, acc_n=a.acc_n)
+    print(f"trained {a.model} in {log['train_seconds']:.0f}s" + (f" -> {out}" if out else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
