@@ -34,4 +34,16 @@ TORCH_LIBRARY(dllm, m) {
   // ---- family: rollout ------------------------------------------------------
   m.def("rollout_scores(Tensor probs_rows, Tensor row_idx, Tensor valid) -> Tensor");
   m.def("nucleus_select(Tensor scores, Tensor candidate, float p, int min_k) -> Tensor");
+  // ---- family: quant --------------------------------------------------------
+  m.def("quantize_k(Tensor k, int bits, int group, int protect_p, Tensor? importance) -> "
+        "(Tensor codes, Tensor scale, Tensor min, Tensor prot_idx, Tensor prot_val)");
+  m.def("dequantize_k(Tensor codes, Tensor scale, Tensor min, Tensor prot_idx, Tensor prot_val, "
+        "int bits, int group, int length) -> Tensor");
+  m.def("k_quant_error(Tensor k, int bits, int group) -> Tensor");
+  m.def("quantize_v(Tensor v, int bits, int group) -> (Tensor codes, Tensor scale, Tensor min)");
+  m.def("dequantize_v(Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
+  m.def("quant_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_min, "
+        "Tensor k_prot_idx, Tensor k_prot_val, int k_bits, int k_group, Tensor v_codes, "
+        "Tensor v_scale, Tensor v_min, int v_bits, int v_group, Tensor? key_valid, float scale) "
+        "-> Tensor");
 }

@@ -18,6 +18,9 @@ from .ops import (certainty_density, drift_select, drift_select_threshold,  # no
                   select_transfer, token_confidence)  # family: select
 from .ops import nucleus_select, rollout_scores  # noqa: E402  (family: rollout)
 from .ops import gather_rows, rope_scatter_kv, scatter_rows, sparse_attention  # noqa: E402  (family: sparse_kv)
+from .ops import (dequantize_k, dequantize_v, k_quant_error, quant_attention,  # noqa: E402
+                  quantize_k, quantize_v)  # family: quant
+from . import quant  # noqa: E402
 from . import rope  # noqa: E402
 
 __all__ = ["ops", "reference", "cosine_drift", "has_cuda_kernels"]
@@ -25,6 +28,8 @@ __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_s
             "drift_select_threshold"]
 __all__ += ["rollout_scores", "nucleus_select"]
 __all__ += ["rope", "rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]
+__all__ += ["quant", "quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
+            "quant_attention"]
 
 # The product: models, checkpoint loading and the decode loop.
 from .models import load  # noqa: E402

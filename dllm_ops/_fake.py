@@ -106,3 +106,64 @@ def _gather_rows_fake(x, idx):
 def _scatter_rows_fake(dst, src, idx):
     torch._check(dst.dim() == 3 and src.dim() == 3, lambda: "dllm::scatter_rows: dst, src [B, *, C]")
     return None
+
+
+
+# ---- family: quant -------------------------------------------------------------
+
+
+def _quant_n_groups(T, group):
+    return (T + group - 1) // group
+
+
+@torch.library.register_fake("dllm::quantize_k")
+def _quantize_k_fake(k, bits, group, protect_p, importance):
+    torch._check(k.dim() == 4, lambda: "dllm::quantize_k: k must have 4 dims")
+    torch._check(bits in (2, 4), lambda: "dllm::quantize_k: bits must be 2 or 4")
+    B, H, T, d = k.shape
+    n = _quant_n_groups(T, group)
+    u8 = torch.uint8
+    return (k.new_empty((B, H, n * group * bits // 8, d), dtype=u8), k.new_empty((B, H, n, d)),
+            k.new_empty((B, H, n, d)), k.new_empty((B, H, n, protect_p), dtype=u8),
+            k.new_empty((B, H, n, protect_p, d)))
+
+
+@torch.library.register_fake("dllm::dequantize_k")
+def _dequantize_k_fake(codes, scale, min, prot_idx, prot_val, bits, group, length):
+    torch._check(codes.dim() == 4 and scale.dim() == 4,
+                 lambda: "dllm::dequantize_k: codes and scale must have 4 dims")
+    B, H, _, d = codes.shape
+    return scale.new_empty((B, H, length, d))
+
+
+@torch.library.register_fake("dllm::k_quant_error")
+def _k_quant_error_fake(k, bits, group):
+    torch._check(k.dim() == 4, lambda: "dllm::k_quant_error: k must have 4 dims")
+    return k.new_empty(k.shape[:3], dtype=torch.float32)
+
+
+@torch.library.register_fake("dllm::quantize_v")
+def _quantize_v_fake(v, bits, group):
+    torch._check(v.dim() == 4, lambda: "dllm::quantize_v: v must have 4 dims")
+    torch._check(bits in (2, 4), lambda: "dllm::quantize_v: bits must be 2 or 4")
+    B, H, T, d = v.shape
+    torch._check(d % group == 0, lambda: "dllm::quantize_v: head_dim must be a multiple of group")
+    return (v.new_empty((B, H, T, d * bits // 8), dtype=torch.uint8),
+            v.new_empty((B, H, T, d // group)), v.new_empty((B, H, T, d // group)))
+
+
+@torch.library.register_fake("dllm::dequantize_v")
+def _dequantize_v_fake(codes, scale, min, bits, group):
+    torch._check(codes.dim() == 4 and scale.dim() == 4,
+                 lambda: "dllm::dequantize_v: codes and scale must have 4 dims")
+    B, H, T, _ = codes.shape
+    return scale.new_empty((B, H, T, scale.shape[3] * group))
+
+
+@torch.library.register_fake("dllm::quant_attention")
+def _quant_attention_fake(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
+                          v_codes, v_scale, v_min, v_bits, v_group, key_valid, scale):
+    torch._check(q.dim() == 4, lambda: "dllm::quant_attention: q must have 4 dims")
+    torch._check(q.dtype == k_scale.dtype == v_scale.dtype,
+                 lambda: "dllm::quant_attention: q and the packed caches must share a dtype")
+    return q.new_empty(q.shape)

@@ -182,7 +182,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         temperature: > 0 samples with Gumbel noise, LLaDA's add_gumbel_noise.
         cache: "none" | "prefix" | "dual" (Fast-dLLM), or pass a ``policy``.
         alg: Dream's "entropy" | "maskgit_plus" | "topk_margin" | "confidence_threshold".
-        suppress_eos: LLaDA's logits_eos_inf (EOS logits count as -inf).
+        suppress_eos: LLaDA's logits_eos_inf (EOS logits count as -inf). The
+            mask token's logit always counts as -inf: it is never committed.
         stop_at_eos: a row whose text has reached EOS (an EOS with no mask
             before it) stops running; its remaining masks are filled with EOS
             and counted in ``stats["eos_filled"]``.
@@ -217,7 +218,10 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     state = DecodeState(model=model, x=x, cache=model.new_cache(valid), gen_start=L,
                         block_length=block_length, active=torch.ones(B, dtype=torch.bool, device=device))
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    suppress = torch.tensor([c.eos_id], device=device) if suppress_eos else None
+    # The mask token is never a decoding outcome: committing it would leave the
+    # position masked and a threshold loop would never end (random or small
+    # models do predict it). Real checkpoints give it negligible mass.
+    suppress = torch.tensor([c.mask_id] + ([c.eos_id] if suppress_eos else []), device=device)
     num_blocks = gen_length // block_length
     steps_per_block = steps // num_blocks if unmask == "topk" else None
     flops = 0.0

@@ -12,6 +12,8 @@ __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_s
             "drift_select_threshold"]  # family: select
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
+__all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
+            "quant_attention"]  # family: quant
 
 
 def has_cuda_kernels(op: str = "cosine_drift") -> bool:
@@ -362,3 +364,114 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> Non
         idx: ``[B, Q]`` int64, distinct non-negative entries within a row.
     """
     torch.ops.dllm.scatter_rows.default(dst, src, idx)
+
+
+# ---- family: quant ------------------------------------------------------------
+# dLLM-KVQ packed KV cache. Layouts and numerics: dllm_ops/quant/packed.py. On
+# CUDA each op reads one 4-byte status word back (one device sync per call) to
+# report data-dependent errors.
+
+from .quant.packed import PackedK, PackedV  # noqa: E402
+
+
+def quantize_k(k: torch.Tensor, bits: int = 4, group: int = 32, protect_p: int = 0,
+               importance: torch.Tensor | None = None) -> PackedK:
+    """Quantize a K cache per channel over groups of ``group`` tokens (KIVI's K
+    layout), keeping the ``protect_p`` most important tokens of each group in
+    high precision (dLLM-KVQ).
+
+    Args:
+        k: ``[B, H_kv, T, d]`` fp32/fp16/bf16 (the post-RoPE cache), ``d <= 256``,
+            finite. Non-contiguous input is accepted.
+        bits: 2 or 4.
+        group: 8, 16, 32, 64 or 128 tokens. ``T`` need not be a multiple: the
+            last group is quantized over its real tokens only.
+        protect_p: 0..8 (``<= group``) tokens per group kept exactly; with 0
+            this is plain KIVI K quantization.
+        importance: ``[B, T]`` (shared by the heads) or ``[B, H_kv, T]`` float
+            scores; required iff ``protect_p > 0`` (ignored otherwise). In each
+            group the top ``protect_p`` real tokens are protected, ties to the
+            lower index. Protected tokens are excluded from the group's min/max.
+
+    Returns:
+        :class:`dllm_ops.quant.PackedK` (codes, scale, min, prot_idx, prot_val,
+        bits, group, length=T).
+
+    Raises:
+        RuntimeError ``dllm::quantize_k: ...`` for bad shapes/arguments, NaN or
+        +-inf in ``k``, NaN importance (at a real token, when ``protect_p > 0``),
+        or a group range whose scale overflows the dtype.
+    """
+    codes, scale, mn, prot_idx, prot_val = torch.ops.dllm.quantize_k.default(
+        k, int(bits), int(group), int(protect_p), importance)
+    return PackedK(codes, scale, mn, prot_idx, prot_val, int(bits), int(group), int(k.shape[2]))
+
+
+def dequantize_k(packed: PackedK) -> torch.Tensor:
+    """The ``[B, H_kv, T, d]`` K cache a :class:`PackedK` stands for (cache dtype):
+    ``code * scale + min`` per element, protected tokens from ``prot_val``.
+
+    Raises ``dllm::dequantize_k: ...`` on inconsistent shapes or a corrupt
+    ``prot_idx`` (an entry that is not 255 and not below its group's real
+    token count, or repeated within a group)."""
+    return torch.ops.dllm.dequantize_k.default(*packed.tensors(), packed.bits, packed.group,
+                                               packed.length)
+
+
+def k_quant_error(k: torch.Tensor, bits: int = 4, group: int = 32) -> torch.Tensor:
+    """dLLM-KVQ's "quantization error" importance: per token, the squared L2
+    reconstruction error of plain (``protect_p = 0``) K quantization,
+
+    ``err[b, h, t] = sum_c (k[b, h, t, c] - dequantize_k(quantize_k(k, bits, group))[b, h, t, c])^2``
+
+    with both operands widened to fp32 and summed in fp32. ``k`` as in
+    :func:`quantize_k`. Returns float32 ``[B, H_kv, T]``; average over heads
+    for a ``[B, T]`` importance.
+    """
+    return torch.ops.dllm.k_quant_error.default(k, int(bits), int(group))
+
+
+def quantize_v(v: torch.Tensor, bits: int = 4, group: int = 32) -> PackedV:
+    """Quantize a V cache per token over groups of ``group`` channels (KIVI's V
+    layout). ``v``: ``[B, H_kv, T, d]`` float, finite, ``d`` a multiple of
+    ``group`` (8, 16, 32, 64, 128), ``d <= 256``; bits 2 or 4.
+
+    Returns :class:`dllm_ops.quant.PackedV`. Raises ``dllm::quantize_v: ...``
+    on bad arguments, NaN/+-inf in ``v`` or a scale overflowing the dtype.
+    """
+    codes, scale, mn = torch.ops.dllm.quantize_v.default(v, int(bits), int(group))
+    return PackedV(codes, scale, mn, int(bits), int(group))
+
+
+def dequantize_v(packed: PackedV) -> torch.Tensor:
+    """The ``[B, H_kv, T, d]`` V cache a :class:`PackedV` stands for (cache dtype)."""
+    return torch.ops.dllm.dequantize_v.default(*packed.tensors(), packed.bits, packed.group)
+
+
+def quant_attention(q: torch.Tensor, k: PackedK, v: PackedV, key_valid: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """Softmax attention of a block of queries over the packed KV cache.
+
+    Equals ``sparse_attention(q, dequantize_k(k), dequantize_v(v), key_valid,
+    scale)[0]``: the kernels dequantize each key/value tile on the fly (CUDA:
+    into shared memory; values rounded to the cache dtype exactly as the
+    dequantize ops produce them, protected tokens from ``prot_val``) and
+    accumulate scores, softmax and output in fp32.
+
+    Args:
+        q: ``[B, Q, H, d]`` (RoPE-rotated) in the cache dtype; ``H`` a multiple
+            of ``H_kv`` (GQA).
+        k, v: packed caches of the same ``B``, ``H_kv``, ``T = k.length`` and
+            ``d``; their bits and groups may differ.
+        key_valid: ``[B, T]`` bool or None; a batch row with no valid key gives
+            zeros.
+        scale: score multiplier, usually ``d ** -0.5``.
+
+    Returns:
+        ``[B, Q, H, d]`` in q's dtype.
+    """
+    if k.length != v.codes.shape[2]:
+        raise ValueError(f"quant_attention: packed K holds {k.length} tokens but packed V "
+                         f"{v.codes.shape[2]}")
+    return torch.ops.dllm.quant_attention.default(
+        q, *k.tensors(), k.bits, k.group, *v.tensors(), v.bits, v.group, key_valid, float(scale))

@@ -12,6 +12,8 @@ __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_s
             "drift_select_threshold"]  # family: select
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
+__all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
+            "quant_attention"]  # family: quant
 
 
 def cosine_drift(x: torch.Tensor, x_prev: torch.Tensor) -> torch.Tensor:
@@ -286,3 +288,148 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> Non
     for b in range(idx.shape[0]):
         keep = idx[b] >= 0
         dst[b, idx[b, keep]] = src[b, keep]
+
+
+# ---- family: quant -------------------------------------------------------------
+# The numerics of dllm_ops/quant/packed.py, op by op in torch. Codes, scales,
+# mins and protected indices must equal the kernels' bit for bit: each step is
+# one fp32 torch op (a subtraction, a true division, torch.round = half to
+# even; dequant: a multiply, then an add), in the order the kernels use.
+
+
+def _quant_scale_min(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, dtype: torch.dtype):
+    """Stored (scale, min) in ``dtype`` from fp32 ranges; empty ranges
+    (min = +inf) give (0, 0)."""
+    empty = xmin > xmax
+    xmin = torch.where(empty, 0.0, xmin)
+    xmax = torch.where(empty, 0.0, xmax)
+    # A tensor divisor: torch turns division by a Python scalar into a multiply
+    # by its reciprocal on CUDA, which rounds differently.
+    scale = (xmax - xmin) / torch.full_like(xmax, float(2 ** bits - 1))
+    return scale.to(dtype), xmin.to(dtype)
+
+
+def _quant_codes(x: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 codes of fp32 ``x`` under stored ``scale`` / ``mn`` (broadcast)."""
+    s, m = scale.float(), mn.float()
+    ok = s > 0
+    q = torch.round((x - m) / torch.where(ok, s, 1.0)).clamp(0, 2 ** bits - 1)
+    return torch.where(ok, q, 0.0).long()
+
+
+def _dequant(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """fp32 ``code * scale + min`` with two roundings (never fused)."""
+    prod = codes.float() * scale.float()
+    return prod + mn.float()
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack int64 codes along the second-to-last dim (..., N, C) -> (..., N*bits/8, C), little end first."""
+    per = 8 // bits
+    *lead, N, C = codes.shape
+    c = codes.reshape(*lead, N // per, per, C)
+    shifts = (torch.arange(per, device=codes.device) * bits).view(per, 1)
+    return (c << shifts).sum(-2).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack`: (..., R, C) uint8 -> (..., R*8/bits, C) int64."""
+    per = 8 // bits
+    *lead, R, C = packed.shape
+    shifts = (torch.arange(per, device=packed.device) * bits).view(per, 1)
+    c = (packed.long().unsqueeze(-2) >> shifts) & (2 ** bits - 1)
+    return c.reshape(*lead, R * per, C)
+
+
+def quantize_k(k: torch.Tensor, bits: int, group: int, protect_p: int,
+               importance: torch.Tensor | None):
+    """``(codes, scale, min, prot_idx, prot_val)`` of the packed K cache
+    (layout: ``dllm_ops.quant.PackedK``). No checks (the oracle trusts its input)."""
+    B, H, T, d = k.shape
+    G, p = group, protect_p
+    n = (T + G - 1) // G
+    Tp = n * G
+    dev = k.device
+    x = torch.zeros(B, H, Tp, d, dtype=torch.float32, device=dev)
+    x[:, :, :T] = k.float()
+    xg = x.view(B, H, n, G, d)
+    real = (torch.arange(Tp, device=dev) < T).view(n, G).expand(B, H, n, G)
+    prot = torch.zeros(B, H, n, G, dtype=torch.bool, device=dev)
+    prot_idx = torch.full((B, H, n, p), 255, dtype=torch.uint8, device=dev)
+    prot_val = torch.zeros(B, H, n, p, d, dtype=k.dtype, device=dev)
+    if p > 0:
+        imp = importance.float()
+        if imp.dim() == 2:
+            imp = imp[:, None].expand(B, H, T)
+        impp = torch.zeros(B, H, Tp, dtype=torch.float32, device=dev)
+        impp[..., :T] = imp
+        # Rank: importance descending, ties by lower index (stable sort), then
+        # real tokens before padding (a second stable sort).
+        order = torch.sort(impp.view(B, H, n, G), dim=-1, descending=True, stable=True).indices
+        order = order.gather(-1, torch.sort(real.gather(-1, order).to(torch.int8), dim=-1,
+                                            descending=True, stable=True).indices)
+        top = order[..., :p]                                             # [B, H, n, p]
+        n_real = real.sum(-1, keepdim=True)                              # [B, H, n, 1]
+        used = torch.arange(p, device=dev) < n_real                      # [B, H, n, p]
+        prot_idx = torch.where(used, top, 255).to(torch.uint8)
+        prot.scatter_(-1, top, used)  # unused slots point at padding: they scatter False
+        vals = k.new_zeros(B, H, Tp, d)
+        vals[:, :, :T] = k
+        picked = vals.view(B, H, n, G, d).gather(3, top[..., None].expand(B, H, n, p, d))
+        prot_val = torch.where(used[..., None], picked, torch.zeros((), dtype=k.dtype, device=dev))
+    quant = real & ~prot                                                 # [B, H, n, G]
+    xmin = torch.where(quant[..., None], xg, float("inf")).amin(3)       # [B, H, n, d]
+    xmax = torch.where(quant[..., None], xg, float("-inf")).amax(3)
+    scale, mn = _quant_scale_min(xmin, xmax, bits, k.dtype)
+    codes = _quant_codes(xg, scale[:, :, :, None], mn[:, :, :, None], bits)
+    codes = torch.where(quant[..., None], codes, 0).view(B, H, Tp, d)
+    return _pack(codes, bits), scale, mn, prot_idx, prot_val
+
+
+def dequantize_k(codes, scale, mn, prot_idx, prot_val, bits: int, group: int, length: int) -> torch.Tensor:
+    """``[B, H_kv, length, d]`` in the cache dtype from a packed K cache."""
+    B, H, n, d = scale.shape
+    G, p = group, prot_idx.shape[-1]
+    c = _unpack(codes, bits).view(B, H, n, G, d)
+    out = _dequant(c, scale[:, :, :, None], mn[:, :, :, None]).to(scale.dtype)
+    if p > 0:
+        # Unused slots (255) go to an extra dummy token G, dropped afterwards.
+        idx = torch.where(prot_idx == 255, G, prot_idx.long())
+        ext = torch.cat([out, out.new_zeros(B, H, n, 1, d)], dim=3)
+        ext.scatter_(3, idx[..., None].expand(B, H, n, p, d), prot_val)
+        out = ext[:, :, :, :G]
+    return out.reshape(B, H, n * G, d)[:, :, :length]
+
+
+def k_quant_error(k: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """``[B, H_kv, T]`` float32: squared L2 error of p = 0 quantize-dequantize,
+    summed in float64."""
+    packed = quantize_k(k, bits, group, 0, None)
+    deq = dequantize_k(*packed, bits, group, k.shape[2])
+    return ((k.double() - deq.double()) ** 2).sum(-1).float()
+
+
+def quantize_v(v: torch.Tensor, bits: int, group: int):
+    """``(codes, scale, min)`` of the packed V cache (``dllm_ops.quant.PackedV``)."""
+    B, H, T, d = v.shape
+    xg = v.float().view(B, H, T, d // group, group)
+    scale, mn = _quant_scale_min(xg.amin(-1), xg.amax(-1), bits, v.dtype)
+    codes = _quant_codes(xg, scale[..., None], mn[..., None], bits).view(B, H, T, d)
+    packed = _pack(codes.transpose(-1, -2), bits).transpose(-1, -2).contiguous()
+    return packed, scale, mn
+
+
+def dequantize_v(codes, scale, mn, bits: int, group: int) -> torch.Tensor:
+    """``[B, H_kv, T, d]`` in the cache dtype from a packed V cache."""
+    B, H, T, ng = scale.shape
+    c = _unpack(codes.transpose(-1, -2), bits).transpose(-1, -2).reshape(B, H, T, ng, group)
+    return _dequant(c, scale[..., None], mn[..., None]).to(scale.dtype).view(B, H, T, ng * group)
+
+
+def quant_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
+                    v_codes, v_scale, v_min, v_bits, v_group, key_valid, scale) -> torch.Tensor:
+    """:func:`sparse_attention` (float64) over the dequantized caches."""
+    T = v_codes.shape[2]
+    kc = dequantize_k(k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group, T)
+    vc = dequantize_v(v_codes, v_scale, v_min, v_bits, v_group)
+    return sparse_attention(q, kc, vc, key_valid, scale, False)[0]

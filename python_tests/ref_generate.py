@@ -56,7 +56,8 @@ def ref_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, bloc
                 run = torch.zeros(1, T, dtype=torch.bool)
                 run[0, s:(T if cache == "prefix" else e)] = True
                 logits, kv = dense_logits(ckpt, x, valid, run=run, kv=kv, return_kv=True)
-            lb = logits[0, s:e]                                   # [n, V] float64
+            lb = logits[0, s:e].clone()                           # [n, V] float64
+            lb[:, mask_id] = float("-inf")  # the mask token is never an outcome
             V = lb.shape[-1]
             if temperature > 0:
                 u = torch.rand((n, V), generator=gen, dtype=torch.float64).clamp_min(1e-300)

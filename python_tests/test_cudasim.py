@@ -62,6 +62,8 @@ def sim_flags(cuda_home: str) -> list[str]:
         "-I" + os.path.join(ROOT, "csrc", "cudasim"),
         "-I" + os.path.join(cuda_home, "include"),
         "-I" + os.path.join(ROOT, "csrc"),
+        # As nvcc force-includes cuda_runtime.h into every .cu.
+        "-include", "cudasim/cuda_compat.cuh",
     ]
 
 

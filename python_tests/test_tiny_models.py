@@ -104,3 +104,106 @@ def test_training_script_reproduces_the_recorded_run(name):
         assert loss == pytest.approx(want[s], rel=0.02), f"step {s}"
     # It has learnt: the held-out loss fell well below its starting value.
     assert mine[stop] < 0.5 * log["heldout_initial"]
+
+
+# ---- the diagnostic stale-cache policy, on random tiny checkpoints ----------
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def random_ckpt(request, tmp_path_factory):
+    from tiny_ckpt import make_checkpoint
+
+    path = str(tmp_path_factory.mktemp(request.param))
+    make_checkpoint(path, request.param, seed=5)
+    return request.param, path, load(path, dtype=torch.float32)
+
+
+class _Recorder:
+    """Wraps a policy; records every plan's run positions and the decode state."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.wants_probs, self.runs, self.cands = inner, inner.name, False, [], []
+
+    def on_block_start(self, state):
+        return self._log(state, self.inner.on_block_start(state))
+
+    def plan(self, state):
+        return self._log(state, self.inner.plan(state))
+
+    def _log(self, state, plan):
+        self.state = state
+        self.cands.append(state.candidates().clone())
+        self.runs.append(plan.idx.clone())
+        return plan
+
+    def on_step_end(self, state, commit):
+        self.inner.on_step_end(state, commit)
+
+
+PROMPTS = [[5, 9, 11, 30, 7, 8], [12, 40, 41, 6, 9, 10, 22, 50, 51]]
+
+
+def _stale_decode(model, **kw):
+    from dllm_ops.decode import generate
+    from dllm_ops.policies import make_policy
+
+    rec = _Recorder(make_policy("stale"))
+    out = generate(model, PROMPTS, gen_length=16, block_length=8, stop_at_eos=False, policy=rec,
+                   **({"alg": "confidence_threshold", "threshold": 2.0} if model.config.arch == "dream"
+                      else {"unmask": "topk", "steps": 16}), **kw)
+    return out, rec
+
+
+def test_stale_runs_only_candidates_after_the_first_call(random_ckpt):
+    arch, path, model = random_ckpt
+    out, rec = _stale_decode(model)
+    state = rec.state
+    valid = state.cache.key_valid
+    first = rec.runs[0]
+    assert sorted(first[0][first[0] >= 0].tolist()) == valid[0].nonzero().squeeze(1).tolist()
+    for idx, cand in zip(rec.runs[1:], rec.cands[1:]):
+        want = cand.clone()
+        if arch == "dream":
+            want |= torch.roll(cand, -1, 1)
+        for r in range(idx.shape[0]):
+            assert sorted(idx[r][idx[r] >= 0].tolist()) == want[r].nonzero().squeeze(1).tolist()
+    assert out.stats["nfe"] == len(rec.runs) and out.stats["cache"] == "stale"
+
+
+def test_stale_cache_is_never_refreshed(random_ckpt):
+    """After the decode the cache holds exactly the K/V of the first forward
+    (the all-mask canvas), as the float64 reference model computes them."""
+    from ref_model import dense_logits, load_original
+
+    arch, path, model = random_ckpt
+    out, rec = _stale_decode(model)
+    state = rec.state
+    x0 = state.x.clone()
+    x0[:, state.gen_start:] = model.config.mask_id
+    _, kv = dense_logits(load_original(path), x0, state.cache.key_valid, return_kv=True)
+    valid = state.cache.key_valid
+    for (k_ref, v_ref), kc, vc in zip(kv, state.cache.k, state.cache.v):
+        k_ref, v_ref = k_ref.transpose(1, 2), v_ref.transpose(1, 2)   # -> [B, H, T, d]
+        m = valid[:, None, :, None]
+        torch.testing.assert_close(torch.where(m, kc.double(), 0.0), torch.where(m, k_ref, 0.0),
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.where(m, vc.double(), 0.0), torch.where(m, v_ref, 0.0),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_stale_llada_commits_the_first_forward_argmax(random_ckpt):
+    """LLaDA never sees its own commits through a stale cache: the result is
+    the one-shot argmax of the first forward at every generated position."""
+    from ref_model import dense_logits, load_original
+
+    arch, path, model = random_ckpt
+    if arch != "llada":
+        pytest.skip("Dream runs each candidate's left neighbour, so it is not one-shot")
+    out, rec = _stale_decode(model)
+    state = rec.state
+    x0 = state.x.clone()
+    x0[:, state.gen_start:] = model.config.mask_id
+    logits = dense_logits(load_original(path), x0, state.cache.key_valid)[:, state.gen_start:]
+    top2 = logits.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-3      # ignore near-ties
+    assert clear.float().mean() > 0.9
+    assert torch.equal(out.tokens[clear], logits.argmax(-1)[clear])

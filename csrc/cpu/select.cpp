@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "common/dllm_math.h"
@@ -64,251 +66,89 @@ at::Tensor cosine_drift_cpu(const at::Tensor& x, const at::Tensor& x_prev) {
 // ============================================================================
 // token_confidence
 // ============================================================================
-// A row is read in chunks of kChunk logits, converted to fp32 into an L1
-// buffer (padded with -inf to whole vectors). Per chunk: the chunk's top-2,
-// one softmax_top_absorb of the chunk max, then the chunk's sums of e^{x-m}
-// (and (x-m) e^{x-m}) relative to the updated max, added to the row state.
-// So memory is read once and the running max is rescaled at most once per
-// chunk. Sums are Kahan-compensated per vector lane and again per chunk, so a
-// row of many equal bf16 values sums as accurately as a random one.
-//
-// The hot loops use GCC vector extensions rather than auto-vectorization:
-// without -fno-trapping-math GCC will not if-convert the selects of a
-// vectorized exp, and the loops would stay scalar.
+// The row kernels live in select_confidence_impl.h, compiled here once per
+// instruction set and chosen at run time (DLLM_CPU_ISA=generic|avx2|avx512
+// caps the choice, e.g. to test the narrower paths on a wide machine).
 
 constexpr int kChunk = 2048;
-constexpr int kVec = 8;
-constexpr int kPad = 2 * kVec;  // the sum loop takes two vectors per step (two Kahan chains)
-typedef float vf8 __attribute__((vector_size(32)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
-// vf8 values only pass between inlined functions of this file; the ABI note
-// GCC gives for 32-byte vectors without -mavx does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
-inline vf8 vload(const float* p) {
-  vf8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vf8 vsplat(float x) { return vf8{} + x; }
-inline vf8 vmax(vf8 a, vf8 b) { return a > b ? a : b; }
-inline vf8 vmin(vf8 a, vf8 b) { return a < b ? a : b; }
-inline float hmax(vf8 v) {
-  float m = v[0];
-  for (int l = 1; l < kVec; ++l) m = std::max(m, v[l]);
-  return m;
-}
-inline float hsum(vf8 v) {
-  float s = 0.f;
-  for (int l = 0; l < kVec; ++l) s += v[l];
-  return s;
-}
-
-// e^z for z <= 0 (a shifted logit), within 1e-7 relative (Cephes expf
-// polynomial after z = k ln2 + r). Results below 2^-126 (z < about -87.3)
-// are 0: such terms are < 1e-38 of a softmax sum that is >= 1.
-inline vf8 vexp_nonpos(vf8 z) {
-  const vf8 zc = vmax(z, vsplat(-128.f));
-  const vf8 kf = (zc * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(z / ln 2)
-  const vi8 kraw = __builtin_convertvector(kf, vi8);
-  const vi8 k = kraw < -126 ? vi8{} - 126 : kraw;
-  const vf8 kc = __builtin_convertvector(k, vf8);
-  vf8 r = zc - kc * 0.693359375f;
-  r = r - kc * -2.12194440e-4f;
-  vf8 p = vsplat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vf8 v = p * (vf8)((k + 127) << 23);  // (vf8) reinterprets the bits as 2^k
-  const vi8 keep = kraw >= -126;              // all ones where 2^k is a normal number
-  return (vf8)((vi8)v & keep);
-}
-
-inline void load_chunk(const float* __restrict__ x, int n, float* __restrict__ buf) {
-  std::memcpy(buf, x, sizeof(float) * n);
-}
-inline void load_chunk(const at::BFloat16* __restrict__ x, int n, float* __restrict__ buf) {
-  uint16_t raw[kChunk];
-  std::memcpy(raw, x, sizeof(uint16_t) * n);
-  for (int i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;  // bf16 is fp32's top half
-    std::memcpy(&buf[i], &bits, sizeof(float));
-  }
-}
-inline void load_chunk(const at::Half* __restrict__ x, int n, float* __restrict__ buf) {
-  for (int i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
-}
 
 // Ids to suppress, sorted and unique, all in [0, V).
 struct SuppressList {
   std::vector<int64_t> ids;
 };
 
-// Converts logits [c0, c0 + n) into buf, sets suppressed ids to -inf (*pos
-// walks the sorted ids) and pads to a whole number of vectors with -inf.
-// Returns the padded length.
-template <typename T>
-inline int fill_chunk(const T* x, int64_t c0, int n, const SuppressList& s, size_t* pos,
-                      float* buf) {
-  load_chunk(x + c0, n, buf);
-  for (; *pos < s.ids.size() && s.ids[*pos] < c0 + n; ++*pos) buf[s.ids[*pos] - c0] = -INFINITY;
-  const int padded = (n + kPad - 1) / kPad * kPad;
-  for (int i = n; i < padded; ++i) buf[i] = -INFINITY;
-  return padded;
-}
-
-// True when the chunk holds a NaN or +inf (the row is then rejected).
-inline bool chunk_invalid(const float* buf, int n) {
-  vi8 bad = vi8{};
-  for (int i = 0; i < n; i += kVec) {
-    const vf8 v = vload(buf + i);
-    bad |= (v != v) | (v == INFINITY);
-  }
-  for (int l = 0; l < kVec; ++l)
-    if (bad[l]) return true;
-  return false;
-}
-
-// Largest and second-largest (multiset) value of the chunk.
-inline void chunk_top2(const float* __restrict__ buf, int n, float* top1, float* top2) {
-  vf8 t1 = vsplat(-INFINITY), t2 = t1;
-  for (int i = 0; i < n; i += kVec) {
-    const vf8 v = vload(buf + i);
-    t2 = vmax(t2, vmin(t1, v));
-    t1 = vmax(t1, v);
-  }
-  float a1 = t1[0], a2 = t2[0];
-  for (int l = 1; l < kVec; ++l) {  // second of a union = max(min of firsts, seconds)
-    a2 = std::max(std::max(a2, t2[l]), std::min(a1, t1[l]));
-    a1 = std::max(a1, t1[l]);
-  }
-  *top1 = a1;
-  *top2 = a2;
-}
-
-// Kahan-compensated lane sums of w = e^{x-m} and (x-m) w over the chunk; two
-// vectors per step keep two independent dependency chains in flight.
-struct LaneSum {
-  vf8 s = vf8{}, c = vf8{};
-  void add(vf8 x) {
-    const vf8 y = x - c;
-    const vf8 t = s + y;
-    c = (t - s) - y;
-    s = t;
-  }
-  vf8 value() const { return s - c; }
-};
-
-template <bool kMoments>
-inline void chunk_sums(const float* __restrict__ buf, int n, float m, float* r_out,
-                       float* s1_out) {
-  LaneSum r0, r1, z0, z1;
-  const vf8 mm = vsplat(m), lo = vsplat(-128.f);
-  for (int i = 0; i < n; i += kPad) {
-    const vf8 za = vmax(vload(buf + i) - mm, lo);  // math::softmax_shift, per lane
-    const vf8 zb = vmax(vload(buf + i + kVec) - mm, lo);
-    const vf8 wa = vexp_nonpos(za), wb = vexp_nonpos(zb);
-    r0.add(wa);
-    r1.add(wb);
-    if (kMoments) {
-      z0.add(za * wa);
-      z1.add(zb * wb);
-    }
-  }
-  *r_out = hsum(r0.value()) + hsum(r1.value());
-  *s1_out = kMoments ? hsum(z0.value()) + hsum(z1.value()) : 0.f;
-}
-
 struct ConfRow {
   math::SoftmaxTop st;
   math::NoisyArgmax na;
 };
 
-template <typename T, int kMode, bool kNoisy>
-ConfRow confidence_pass(const T* __restrict__ x, int64_t V, const float* __restrict__ g,
-                        double temperature, const SuppressList& sup) {
-  alignas(64) float buf[kChunk];
-  ConfRow row{math::softmax_top_empty(), math::noisy_argmax_empty()};
-  math::SoftmaxTop& st = row.st;
-  size_t spos = 0;
-  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, V - c0));
-    const int padded = fill_chunk(x, c0, n, sup, &spos, buf);
-    if (chunk_invalid(buf, padded)) {
-      st.bad = 1;
-      return row;
-    }
-    if (kNoisy) {
-      for (int i = 0; i < n; ++i) {
-        const float gi = g[c0 + i];
-        if (buf[i] != -INFINITY && gi != gi) {
-          st.bad = 1;
-          return row;
-        }
-        math::noisy_argmax_add(row.na, math::gumbel_perturb(buf[i], gi, temperature),
-                               static_cast<int32_t>(c0 + i), buf[i]);
-      }
-    }
-    float top1, top2;
-    chunk_top2(buf, padded, &top1, &top2);
-    // Only a new max needs its index: a tie with the running max lies at a
-    // higher index than st.i1 (chunks are in order), so it changes nothing.
-    int32_t gidx = INT32_MAX;
-    if (top1 > st.m) gidx = static_cast<int32_t>(c0 + (std::find(buf, buf + n, top1) - buf));
-    const bool excluded = math::softmax_top_absorb(st, top1, gidx, top2);
-    if (excluded) buf[gidx - c0] = -INFINITY;  // the implicit 1 of S0 = 1 + r
-    float r, s1;
-    chunk_sums<kMode == math::kConfNegEntropy>(buf, padded, st.m, &r, &s1);
-    math::softmax_top_add(st, r, s1);
-  }
-  return row;
-}
+namespace isa_generic {
+#define DLLM_VEC_FLOATS 4
+#include "cpu/select_confidence_impl.h"
+#undef DLLM_VEC_FLOATS
+}  // namespace isa_generic
 
-// Dream's +1e-10 correction, sum p log1p(eps/p): a second read of the row
-// (from cache), once m and S0 are final. `st` is folded.
-template <typename T>
-float neg_entropy_eps_pass(const T* __restrict__ x, int64_t V, const math::SoftmaxTop& st,
-                           const SuppressList& sup) {
-  alignas(64) float buf[kChunk];
-  const float inv_s0 = math::softmax_top_inv_s0(st);
-  const float log_eps_s0 = math::neg_entropy_log_eps_s0(st);
-  size_t spos = 0;
-  float total = 0.f, comp = 0.f;
-  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, V - c0));
-    fill_chunk(x, c0, n, sup, &spos, buf);
-    float part = 0.f, part_comp = 0.f;
-    for (int i = 0; i < n; ++i) {
-      if (buf[i] == -INFINITY) continue;
-      math::kahan_add(part, part_comp,
-                      math::neg_entropy_eps_term(buf[i] - st.m, inv_s0, log_eps_s0));
-    }
-    math::kahan_add(total, comp, part - part_comp);
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DLLM_SELECT_X86 1
+// vf values only pass between inlined functions of one ISA namespace; the ABI
+// note GCC gives for wide vectors does not apply.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace isa_avx2 {
+#define DLLM_VEC_FLOATS 8
+#include "cpu/select_confidence_impl.h"
+#undef DLLM_VEC_FLOATS
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace isa_avx512 {
+#define DLLM_VEC_FLOATS 16
+#include "cpu/select_confidence_impl.h"
+#undef DLLM_VEC_FLOATS
+}  // namespace isa_avx512
+#pragma GCC pop_options
+#pragma GCC diagnostic pop
+#endif
+
+enum class CpuIsa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+CpuIsa cpu_isa() {
+  CpuIsa best = CpuIsa::kGeneric;
+#if defined(DLLM_SELECT_X86)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = CpuIsa::kAvx2;
+  if (best == CpuIsa::kAvx2 && __builtin_cpu_supports("avx512f")) best = CpuIsa::kAvx512;
+#endif
+  if (const char* cap = std::getenv("DLLM_CPU_ISA")) {
+    const std::string c(cap);
+    const CpuIsa want = c == "generic" ? CpuIsa::kGeneric
+                        : c == "avx2"  ? CpuIsa::kAvx2
+                                       : CpuIsa::kAvx512;
+    if (static_cast<int>(want) < static_cast<int>(best)) best = want;
   }
-  return total - comp;
+  return best;
 }
 
 template <typename T, int kMode, bool kNoisy>
 void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const float* noise,
                      int64_t nld, double temperature, const SuppressList& sup, int64_t* token,
                      float* score, std::atomic<int>* any_bad) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / V);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* x = logits + r * ld;
-      const ConfRow row =
-          confidence_pass<T, kMode, kNoisy>(x, V, kNoisy ? noise + r * nld : nullptr, temperature, sup);
-      float eps_sum = 0.f;
-      if (kMode == math::kConfNegEntropy && math::softmax_top_ok(row.st))
-        eps_sum = neg_entropy_eps_pass(x, V, math::softmax_top_folded(row.st), sup);
-      token[r] = math::confidence_token(row.st, kNoisy, row.na);
-      score[r] = math::confidence_score(row.st, kMode, kNoisy, row.na, eps_sum);
-      if (!math::softmax_top_ok(row.st)) any_bad->store(1, std::memory_order_relaxed);
-    }
-  });
+#if defined(DLLM_SELECT_X86)
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512:
+      return isa_avx512::confidence_rows<T, kMode, kNoisy>(logits, ld, N, V, noise, nld,
+                                                           temperature, sup, token, score, any_bad);
+    case CpuIsa::kAvx2:
+      return isa_avx2::confidence_rows<T, kMode, kNoisy>(logits, ld, N, V, noise, nld,
+                                                         temperature, sup, token, score, any_bad);
+    default:
+      break;
+  }
+#endif
+  isa_generic::confidence_rows<T, kMode, kNoisy>(logits, ld, N, V, noise, nld, temperature, sup,
+                                                 token, score, any_bad);
 }
 
 std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits,

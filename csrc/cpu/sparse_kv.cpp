@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/dispatch.h"
@@ -165,18 +166,85 @@ DLLM_CPU_CLONES void column_exp_sum(float* __restrict__ st, const bool* __restri
   }
 }
 
-// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype, done in 16x16
-// blocks so both sides stream through cache lines.
-template <typename T_>
-void normalize_transpose(const float* __restrict__ st, const float* __restrict__ inv, int64_t T,
-                         int64_t M, T_* __restrict__ p) {
+// fp32 -> bf16 bits, round to nearest even, with plain integer ops so it
+// vectorizes. Correct for every finite value (the only ones that reach it:
+// probabilities and attention outputs of finite inputs).
+static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype, in 16x16 blocks so
+// both sides stream through cache lines. One overload per gemm dtype.
+DLLM_CPU_CLONES void normalize_transpose(const float* __restrict__ st,
+                                         const float* __restrict__ inv, int64_t T, int64_t M,
+                                         float* __restrict__ p) {
   constexpr int64_t kB = 16;
   for (int64_t r0 = 0; r0 < M; r0 += kB) {
     const int64_t r1 = std::min(M, r0 + kB);
     for (int64_t t0 = 0; t0 < T; t0 += kB) {
       const int64_t t1 = std::min(T, t0 + kB);
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = static_cast<T_>(st[t * M + r] * inv[r]);
+        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = st[t * M + r] * inv[r];
+    }
+  }
+}
+
+DLLM_CPU_CLONES void normalize_transpose(const float* __restrict__ st,
+                                         const float* __restrict__ inv, int64_t T, int64_t M,
+                                         at::BFloat16* __restrict__ p_) {
+  uint16_t* __restrict__ p = reinterpret_cast<uint16_t*>(p_);
+  constexpr int64_t kB = 16;
+  for (int64_t r0 = 0; r0 < M; r0 += kB) {
+    const int64_t r1 = std::min(M, r0 + kB);
+    for (int64_t t0 = 0; t0 < T; t0 += kB) {
+      const int64_t t1 = std::min(T, t0 + kB);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = bf16_bits_rne(st[t * M + r] * inv[r]);
+    }
+  }
+}
+
+DLLM_CPU_CLONES void normalize_transpose(const float* __restrict__ st,
+                                         const float* __restrict__ inv, int64_t T, int64_t M,
+                                         at::Half* __restrict__ p) {
+  constexpr int64_t kB = 16;
+  for (int64_t r0 = 0; r0 < M; r0 += kB) {
+    const int64_t r1 = std::min(M, r0 + kB);
+    for (int64_t t0 = 0; t0 < T; t0 += kB) {
+      const int64_t t1 = std::min(T, t0 + kB);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = static_cast<at::Half>(st[t * M + r] * inv[r]);
+    }
+  }
+}
+
+// dst[i] = src[i] rounded to the output dtype (round to nearest even).
+DLLM_CPU_CLONES void store_floats(const float* __restrict__ src, int64_t n, float* __restrict__ dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+DLLM_CPU_CLONES void store_floats(const float* __restrict__ src, int64_t n,
+                                  at::BFloat16* __restrict__ dst_) {
+  uint16_t* __restrict__ dst = reinterpret_cast<uint16_t*>(dst_);
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_rne(src[i]);
+}
+DLLM_CPU_CLONES void store_floats(const float* __restrict__ src, int64_t n,
+                                  at::Half* __restrict__ dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+// dst [cols, rows] = src [rows, cols]^T for 2- or 4-byte elements, 16x16 blocks.
+template <typename E>
+DLLM_CPU_CLONES void transpose_blocked(const E* __restrict__ src, int64_t rows, int64_t cols,
+                                       E* __restrict__ dst) {
+  constexpr int64_t kB = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+    const int64_t r1 = std::min(rows, r0 + kB);
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t c1 = std::min(cols, c0 + kB);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
     }
   }
 }
@@ -228,10 +296,10 @@ struct AttnShape {
 // Per-thread scratch of one work unit (sized for the largest tile).
 template <typename T_>
 struct AttnScratch {
-  std::vector<T_> qt, p;
+  std::vector<T_> q_rows, qt, p;  // q_rows: the tile's query rows, [M, d]
   std::vector<float> st, o, mx, sum, inv;
   AttnScratch(int64_t M, int64_t T, int64_t d)
-      : qt(d * M), p(M * T), st(T * M), o(M * d), mx(M), sum(M), inv(M) {}
+      : q_rows(M * d), qt(d * M), p(M * T), st(T * M), o(M * d), mx(M), sum(M), inv(M) {}
 };
 
 // One (b, kv head, query tile) unit: writes out rows, and (optionally) adds
@@ -242,12 +310,13 @@ void attend_tile(const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t
                  AttnScratch<T_>& w, float* probs_acc, bool first_head) {
   const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
   // Q_tile^T [d, M]: column r = qi * G + g is query q0 + qi of head kvh * G + g.
+  // The G heads of one query are adjacent in q, so rows are copied G at a time.
   for (int64_t qi = 0; qi < Qt; ++qi)
-    for (int64_t g = 0; g < G; ++g) {
-      const T_* src = q + ((b * s.Q + q0 + qi) * s.H + kvh * G + g) * d;
-      const int64_t r = qi * G + g;
-      for (int64_t j = 0; j < d; ++j) w.qt[j * M + r] = src[j];
-    }
+    std::memcpy(w.q_rows.data() + qi * G * d, q + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d,
+                G * d * sizeof(T_));
+  using E = std::conditional_t<sizeof(T_) == 2, uint16_t, float>;
+  transpose_blocked<E>(reinterpret_cast<const E*>(w.q_rows.data()), M, d,
+                       reinterpret_cast<E*>(w.qt.data()));
   const T_* K = kc + (b * s.H_kv + kvh) * T * d;
   const T_* V = vc + (b * s.H_kv + kvh) * T * d;
   gemm_f32acc<T_>(T, M, d, K, d, w.qt.data(), M, w.st.data(), M);
@@ -258,12 +327,8 @@ void attend_tile(const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t
     accumulate_head_probs(w.st.data(), w.inv.data(), T, Qt, G, first_head, probs_acc, T);
   normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data());
   gemm_f32acc<T_>(M, d, T, w.p.data(), T, V, d, w.o.data(), d);
-  for (int64_t qi = 0; qi < Qt; ++qi)
-    for (int64_t g = 0; g < G; ++g) {
-      T_* dst = out + ((b * s.Q + q0 + qi) * s.H + kvh * G + g) * d;
-      const float* src = w.o.data() + (qi * G + g) * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T_>(src[j]);
-    }
+  for (int64_t qi = 0; qi < Qt; ++qi)  // the G heads of a query are adjacent in out
+    store_floats(w.o.data() + qi * G * d, G * d, out + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d);
 }
 
 // Queries per tile: enough rows (M = Qt * G ~ 64) for the gemms to run at

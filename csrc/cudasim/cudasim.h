@@ -1240,6 +1240,7 @@ inline float __powf(float x, float y) { return std::pow(x, y); }
 inline float __sinf(float x) { return std::sin(x); }
 inline float __cosf(float x) { return std::cos(x); }
 inline float __tanf(float x) { return std::tan(x); }
+inline float __tanhf(float x) { return std::tanh(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = std::sin(x), *c = std::cos(x); }
 inline float __fdividef(float x, float y) { return x / y; }
 inline float fdividef(float x, float y) { return x / y; }
@@ -1259,6 +1260,9 @@ inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
+inline double __drcp_rn(double x) { return 1.0 / x; }
+inline double __dsqrt_rn(double x) { return std::sqrt(x); }
+// Only round-to-nearest (_rn) variants: directed rounding would need fesetround.
 
 namespace cudasim::detail {
 // PTX cvt to an integer saturates and maps NaN to 0. `rnd` is applied first.
@@ -1308,6 +1312,7 @@ CUDASIM_CVT3(__bfloat162ushort, __nv_bfloat16, unsigned short)
 inline float __int2float_rn(int x) { return static_cast<float>(x); }
 inline float __uint2float_rn(unsigned x) { return static_cast<float>(x); }
 inline float __ll2float_rn(long long x) { return static_cast<float>(x); }
+inline float __ull2float_rn(unsigned long long x) { return static_cast<float>(x); }
 inline double __int2double_rn(int x) { return x; }
 
 inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
@@ -1332,6 +1337,24 @@ inline unsigned __brev(unsigned x) {
 inline unsigned long long __brevll(unsigned long long x) {
   return (static_cast<unsigned long long>(__brev(static_cast<unsigned>(x))) << 32) | __brev(static_cast<unsigned>(x >> 32));
 }
+// Bytes 0-3 of x then 4-7 of y; result byte n is input byte s[4n+2:4n].
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long in = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= static_cast<unsigned>((in >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+  return r;
+}
+inline int __mul24(int a, int b) {  // low 32 bits of the product of the sign-extended low 24 bits
+  const auto lo24 = [](int v) {  // C++20: >> of a negative int is arithmetic
+    return static_cast<long long>(static_cast<int>(static_cast<unsigned>(v) << 8) >> 8);
+  };
+  return static_cast<int>(static_cast<unsigned long long>(lo24(a) * lo24(b)));
+}
+inline unsigned __umul24(unsigned a, unsigned b) { return (a & 0xffffffu) * (b & 0xffffffu); }
+inline unsigned __sad(int x, int y, unsigned z) {
+  return z + static_cast<unsigned>(x > y ? static_cast<long long>(x) - y : static_cast<long long>(y) - x);
+}
+inline unsigned __usad(unsigned x, unsigned y, unsigned z) { return z + (x > y ? x - y : y - x); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return static_cast<unsigned>((1ull * a * b) >> 32); }
 inline int __mulhi(int a, int b) { return static_cast<int>((1ll * a * b) >> 32); }
 __extension__ typedef unsigned __int128 cudasim_u128;  // __extension__: quiet under -Wpedantic

@@ -50,7 +50,10 @@ def load_sim() -> None:
     load(
         name="dllm_sim",
         sources=_wrappers(),
-        extra_cflags=["-std=c++20", "-DCUDASIM", "-O2", "-g", "-pthread", "-Wno-unknown-pragmas"],
+        # -include mirrors nvcc, which makes the CUDA runtime visible to every
+        # translation unit before its first line.
+        extra_cflags=["-std=c++20", "-DCUDASIM", "-O2", "-g", "-pthread", "-Wno-unknown-pragmas",
+                      "-include", "cudasim/cuda_compat.cuh"],
         extra_ldflags=["-pthread"],
         # shim_include must precede the toolkit so its cooperative_groups.h wins.
         extra_include_paths=[os.path.join(CSRC, "cudasim", "shim_include"), CSRC,

@@ -1,7 +1,8 @@
 // Self-test of the CUDA CPU simulation (csrc/cudasim/cudasim.h), no torch.
 //
 //   g++ -std=c++20 -O1 -g -pthread -DCUDASIM -Icsrc/cudasim/shim_include
-//       -Icsrc/cudasim -I$CUDA_HOME/include -Icsrc csrc/cudasim/tests/selftest.cpp
+//       -Icsrc/cudasim -I$CUDA_HOME/include -Icsrc [-include cudasim/cuda_compat.cuh]
+//       csrc/cudasim/tests/selftest.cpp      (+ -DCUDASIM_THREADS for the threads engine)
 //   ./selftest            # all tests      ./selftest --list    ./selftest NAME...
 //
 // Exit status is nonzero if any check failed. Injected bugs the shim must
@@ -529,6 +530,9 @@ static void test_math() {
   CHECK(__popc(0xf0f0u) == 8 && __ffs(0) == 0 && __ffs(8) == 4 && __clz(1) == 31 && __clz(0) == 32);
   CHECK(__brev(1u) == 0x80000000u && __brev(0x12345678u) == 0x1e6a2c48u && __brevll(1ull) == (1ull << 63));
   CHECK(__umulhi(0x80000000u, 4u) == 2u && __popcll(~0ull) == 64);
+  CHECK(__byte_perm(0x33221100u, 0x77665544u, 0x7531u) == 0x77553311u && __byte_perm(0x33221100u, 0u, 0x0123u) == 0x00112233u);
+  CHECK(__mul24(-3, 5) == -15 && __mul24(0x00ffffff, 2) == -2 && __umul24(0x01000003u, 2u) == 6u);
+  CHECK(__sad(-3, 4, 10u) == 17u && __usad(2u, 9u, 1u) == 8u);
   CHECK(std::fabs(__expf(1.f) - 2.7182817f) < 1e-6f && __fdividef(1.f, 4.f) == 0.25f && rsqrtf(4.f) == 0.5f);
   CHECK(__frcp_rn(8.f) == 0.125f && __fsqrt_rn(9.f) == 3.f && __fmaf_rn(2.f, 3.f, 1.f) == 7.f);
   CHECK(min(3, 5) == 3 && max(3u, 5u) == 5u && min(-1, 2u) == 2u && max(2.5f, 1.0) == 2.5 && min(int64_t{7}, 3) == 3);

@@ -1,0 +1,150 @@
+// Shared host/device math of the `quant` family (dLLM-KVQ packed KV cache).
+// Called by the CPU kernels and by the CUDA kernels, so CPU tests exercise the
+// device arithmetic and both produce bit-identical codes, scales and mins.
+//
+// Numerics (the contract, mirrored by dllm_ops/reference.py):
+//   range   min / max over the quantized elements of a group, in fp32 (exact);
+//   scale   (max - min) / (2^b - 1), fp32 true division, then rounded (RN) to
+//           the cache dtype: that stored scale s and the stored min m (exact,
+//           an input value) are what every later step uses;
+//   code    clamp(round_half_even((x - m) / s), 0, 2^b - 1) in fp32, and 0 when
+//           s == 0 (max == min, or a range so small that s underflows);
+//   dequant round_to_dtype(fl(fl(code * s) + m)): one rounded multiply, one
+//           rounded add, never a fused multiply-add, so a CPU with FMA, nvcc
+//           (which contracts a*b+c by default) and torch's two eager ops agree.
+// Packing: codes of 8/b consecutive tokens (K) or channels (V) share a byte,
+// element j of the byte at bits [b*j, b*j + b) ("little end first").
+#pragma once
+
+#include "common/dllm_math.h"
+
+#include <cfloat>
+#include <cstdint>
+
+namespace dllm {
+namespace math {
+
+constexpr int kQuantMaxProtect = 8;    // protected tokens per K group
+constexpr int kQuantMaxGroup = 128;    // group sizes: 8, 16, 32, 64, 128
+constexpr int kQuantMaxHeadDim = 256;  // head dims the kernels accept
+// prot_idx entry of an unused protection slot (a group with fewer real tokens
+// than protect_p). Never a valid in-group index since groups are <= 128.
+constexpr uint8_t kProtUnused = 255;
+
+// Status bits of the data-dependent checks (CPU: set by the kernels; CUDA: a
+// device status word read back once). Turned into messages by quant_checks.h.
+enum QuantStatus : int {
+  kQuantNonFinite = 1,        // NaN / +-inf in k or v
+  kQuantNanImportance = 2,    // NaN importance of a real token (protect_p > 0)
+  kQuantRangeOverflow = 4,    // (max - min) / (2^b - 1) is not finite in the cache dtype
+  kQuantBadProtIdx = 8,       // prot_idx entry out of its group's range, or repeated
+};
+
+DLLM_HD int quant_levels(int bits) { return (1 << bits) - 1; }
+DLLM_HD int codes_per_byte(int bits) { return 8 / bits; }
+
+// Real tokens of K group g (the last group of a length-T axis may be short).
+DLLM_HD int group_tokens(int64_t T, int G, int64_t g) {
+  const int64_t left = T - g * G;
+  return left < G ? static_cast<int>(left) : G;
+}
+
+DLLM_HD bool is_finite(float x) { return fabsf(x) <= FLT_MAX; }  // false for NaN and +-inf
+
+// fp32 multiply and add, each rounded once. On the host the exact double
+// product / a double sum rounded to float equal the IEEE fp32 result (double
+// has > 2*24+2 bits), and the float conversion in between stops the compiler
+// from contracting them into an FMA.
+DLLM_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return static_cast<float>(static_cast<double>(a) * static_cast<double>(b));
+#endif
+}
+
+DLLM_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return static_cast<float>(static_cast<double>(a) + static_cast<double>(b));
+#endif
+}
+
+// ---- group range -------------------------------------------------------------
+struct QuantRange {
+  float mn;
+  float mx;
+};
+
+DLLM_HD QuantRange range_empty() { return QuantRange{INFINITY, -INFINITY}; }
+
+DLLM_HD void range_add(QuantRange& r, float x) {
+  r.mn = fminf(r.mn, x);
+  r.mx = fmaxf(r.mx, x);
+}
+
+DLLM_HD QuantRange range_merge(QuantRange a, const QuantRange& b) {
+  range_add(a, b.mn);
+  range_add(a, b.mx);
+  return a;
+}
+
+// A group with no quantized element (every real token protected) gets min 0
+// and scale 0, so all its codes are 0.
+DLLM_HD float range_min(const QuantRange& r) { return r.mn <= r.mx ? r.mn : 0.f; }
+
+// The fp32 scale before rounding to the cache dtype.
+DLLM_HD float range_scale(const QuantRange& r, int bits) {
+  if (!(r.mn <= r.mx)) return 0.f;
+  return (r.mx - r.mn) / static_cast<float>(quant_levels(bits));
+}
+
+// ---- codes -------------------------------------------------------------------
+// scale and mn are the stored (rounded) values widened to fp32.
+DLLM_HD uint32_t quant_code(float x, float scale, float mn, int bits) {
+  if (!(scale > 0.f)) return 0u;
+  const float v = rintf((x - mn) / scale);  // rintf: round half to even
+  return static_cast<uint32_t>(fminf(fmaxf(v, 0.f), static_cast<float>(quant_levels(bits))));
+}
+
+// code * scale + mn in fp32 (to be rounded to the cache dtype by the caller).
+DLLM_HD float dequant_value(uint32_t code, float scale, float mn) {
+  return add_rn(mul_rn(static_cast<float>(code), scale), mn);
+}
+
+DLLM_HD uint32_t pack_code(uint32_t code, int slot, int bits) { return code << (bits * slot); }
+
+DLLM_HD uint32_t unpack_code(uint32_t byte, int slot, int bits) {
+  return (byte >> (bits * slot)) & static_cast<uint32_t>(quant_levels(bits));
+}
+
+// ---- protected tokens --------------------------------------------------------
+// Top-p order: higher importance first, ties to the lower index.
+DLLM_HD bool ranks_before(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+
+// A group's p prot_idx entries are valid when each is kProtUnused or an
+// in-group index < n_real, and no index appears twice.
+DLLM_HD bool prot_group_valid(const uint8_t* idx, int p, int n_real) {
+  for (int s = 0; s < p; ++s) {
+    const int i = idx[s];
+    if (i == kProtUnused) continue;
+    if (i >= n_real) return false;
+    for (int s2 = 0; s2 < s; ++s2)
+      if (idx[s2] == i) return false;
+  }
+  return true;
+}
+
+// Slot s whose entry names in-group token j, or -1 (first match; valid
+// groups have at most one).
+DLLM_HD int prot_slot_of(const uint8_t* idx, int p, int j) {
+  for (int s = 0; s < p; ++s)
+    if (idx[s] == j) return s;
+  return -1;
+}
+
+}  // namespace math
+}  // namespace dllm

@@ -1,0 +1,517 @@
+// CPU kernels of the `quant` family (dLLM-KVQ packed KV cache): grouped K
+// quantization with protected tokens, V quantization, both dequantizations,
+// the p = 0 K reconstruction error, and softmax attention over the packed cache.
+// The per-element math is common/quant_math.h, shared with the CUDA kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "common/dispatch.h"
+#include "common/quant_checks.h"
+#include "common/quant_math.h"
+#include "common/sparse_kv_math.h"
+
+namespace dllm {
+namespace {
+
+namespace m = dllm::math;
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+inline T narrow(float x) {
+  return static_cast<T>(x);  // c10::Half / BFloat16: round to nearest even
+}
+
+// A dequantized cache element as the dequantized tensor holds it (rounded to
+// T), widened back to fp32.
+template <typename T>
+inline float dequant_as(uint32_t code, float scale, float mn) {
+  return widen(narrow<T>(m::dequant_value(code, scale, mn)));
+}
+
+// Status bits gathered from parallel workers.
+struct Status {
+  std::atomic<int> bits{0};
+  void add(int b) {
+    if (b) bits.fetch_or(b, std::memory_order_relaxed);
+  }
+  int get() const { return bits.load(); }
+};
+
+// ============================================================================
+// K: per channel over token groups, top-p protected tokens per group
+// ============================================================================
+
+// Protected tokens of one group: slot_of[j] = slot of in-group token j or
+// kProtUnused; chosen[s] = token of slot s (rank order). Returns how many.
+int select_protected(const float* imp, int n_real, int p, uint8_t* slot_of, int* chosen,
+                     int& status) {
+  std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
+  const int np = std::min(p, n_real);
+  if (np == 0) return 0;
+  for (int j = 0; j < n_real; ++j)
+    if (std::isnan(imp[j])) status |= m::kQuantNanImportance;
+  for (int s = 0; s < np; ++s) {
+    int best = -1;
+    for (int j = 0; j < n_real; ++j) {
+      if (slot_of[j] != m::kProtUnused) continue;
+      if (best < 0 || m::ranks_before(imp[j], j, imp[best], best)) best = j;
+    }
+    chosen[s] = best;
+    slot_of[best] = static_cast<uint8_t>(s);
+  }
+  return np;
+}
+
+// Per-channel stored scale/min of one group over the tokens with
+// slot_of[j] == kProtUnused (all tokens when slot_of is null); fills sf / mf
+// with the stored values widened to fp32.
+template <typename T>
+void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t* slot_of,
+                    T* scale_out, T* min_out, float* sf, float* mf, int& status) {
+  const int64_t d = s.d;
+  m::QuantRange r[m::kQuantMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c) r[c] = m::range_empty();
+  bool finite = true;
+  for (int j = 0; j < n_real; ++j) {
+    const T* row = x + j * d;
+    const bool quantized = slot_of == nullptr || slot_of[j] == m::kProtUnused;
+    for (int64_t c = 0; c < d; ++c) {
+      const float v = widen(row[c]);
+      finite &= m::is_finite(v);
+      if (quantized) m::range_add(r[c], v);
+    }
+  }
+  if (!finite) status |= m::kQuantNonFinite;
+  for (int64_t c = 0; c < d; ++c) {
+    const T st = narrow<T>(m::range_scale(r[c], static_cast<int>(s.bits)));
+    const T mt = narrow<T>(m::range_min(r[c]));
+    if (scale_out) scale_out[c] = st, min_out[c] = mt;
+    sf[c] = widen(st);
+    mf[c] = widen(mt);
+    if (!m::is_finite(sf[c])) status |= m::kQuantRangeOverflow;
+  }
+}
+
+template <typename T>
+void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, int64_t imp_per_head,
+                       uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx, T* prot_val,
+                       Status& status) {
+  const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
+  const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
+  const int64_t d = s.d, rows_per_group = G / n;
+  at::parallel_for(0, s.B * s.H * s.n_groups, 1, [&](int64_t begin, int64_t end) {
+    int st = 0;
+    uint8_t slot_of[m::kQuantMaxGroup];
+    int chosen[m::kQuantMaxProtect];
+    float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = u % s.n_groups, bh = u / s.n_groups;
+      const int n_real = m::group_tokens(s.T, G, g);
+      const T* x = k + (bh * s.T + g * G) * d;
+      int np = 0;
+      if (p > 0) {
+        // importance [B, H_kv, T] (one row per head) or [B, T] (shared by the heads)
+        const float* imp_g = imp + (imp_per_head ? bh : bh / s.H) * s.T + g * G;
+        np = select_protected(imp_g, n_real, p, slot_of, chosen, st);
+      } else {
+        std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
+      }
+      k_group_ranges(s, x, n_real, slot_of, scale + u * d, mn + u * d, sf, mf, st);
+      uint8_t* out = codes + (bh * s.rows + g * rows_per_group) * d;
+      std::fill_n(out, rows_per_group * d, uint8_t{0});
+      for (int j = 0; j < n_real; ++j) {
+        if (slot_of[j] != m::kProtUnused) continue;
+        const T* row = x + j * d;
+        uint8_t* orow = out + (j / n) * d;
+        const int slot = j % n;
+        for (int64_t c = 0; c < d; ++c)
+          orow[c] |= static_cast<uint8_t>(
+              m::pack_code(m::quant_code(widen(row[c]), sf[c], mf[c], bits), slot, bits));
+      }
+      for (int sl = 0; sl < p; ++sl) {
+        prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
+        T* pv = prot_val + (u * p + sl) * d;
+        if (sl < np) {
+          std::copy_n(x + chosen[sl] * d, d, pv);
+        } else {
+          std::fill_n(pv, d, T(0));
+        }
+      }
+    }
+    status.add(st);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_k_cpu(
+    const at::Tensor& k, int64_t bits, int64_t group, int64_t protect_p,
+    const std::optional<at::Tensor>& importance) {
+  constexpr const char* op = "quantize_k";
+  const QuantKShape s = check_quantize_k(k, bits, group, protect_p, importance);
+  const auto kc = k.contiguous();
+  at::Tensor imp;
+  int64_t imp_per_head = 0;
+  if (protect_p > 0) {
+    imp = importance->to(at::kFloat).contiguous();
+    imp_per_head = imp.dim() == 3 ? 1 : 0;
+  }
+  auto codes = at::empty({s.B, s.H, s.rows, s.d}, k.options().dtype(at::kByte));
+  auto scale = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
+  auto mn = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
+  auto prot_idx = at::empty({s.B, s.H, s.n_groups, s.p}, k.options().dtype(at::kByte));
+  auto prot_val = at::empty({s.B, s.H, s.n_groups, s.p, s.d}, k.options());
+  Status status;
+  if (s.B * s.H * s.n_groups > 0) {
+    DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::quantize_k", [&] {
+      quantize_k_kernel<scalar_t>(s, kc.const_data_ptr<scalar_t>(),
+                                  imp.defined() ? imp.const_data_ptr<float>() : nullptr,
+                                  imp_per_head, codes.mutable_data_ptr<uint8_t>(),
+                                  scale.mutable_data_ptr<scalar_t>(), mn.mutable_data_ptr<scalar_t>(),
+                                  prot_idx.mutable_data_ptr<uint8_t>(),
+                                  prot_val.mutable_data_ptr<scalar_t>(), status);
+    });
+  }
+  throw_quant_status(op, status.get());
+  return {codes, scale, mn, prot_idx, prot_val};
+}
+
+// Dequantized K rows of one group into out (row stride d), protected tokens
+// from prot_val. Returns false (writing nothing) when the group's prot_idx
+// entries are invalid.
+template <typename T, typename O>
+bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t* codes,
+                     const T* scale, const T* mn, const uint8_t* prot_idx, const T* prot_val,
+                     O* out) {
+  const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
+  const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
+  const int64_t d = s.d, u = bh * s.n_groups + g;
+  const int n_real = m::group_tokens(s.T, G, g);
+  const uint8_t* pidx = prot_idx + u * p;
+  if (!m::prot_group_valid(pidx, p, n_real)) return false;
+  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c) sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
+  const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
+  for (int j = 0; j < n_real; ++j) {
+    O* o = out + j * d;
+    const int slot = m::prot_slot_of(pidx, p, j);
+    if (slot >= 0) {
+      const T* pv = prot_val + (u * p + slot) * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<O>(pv[c]);
+      continue;
+    }
+    const uint8_t* crow = crow0 + (j / n) * d;
+    const int sub = j % n;
+    for (int64_t c = 0; c < d; ++c)
+      o[c] = static_cast<O>(narrow<T>(m::dequant_value(m::unpack_code(crow[c], sub, bits), sf[c], mf[c])));
+  }
+  return true;
+}
+
+at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
+                            const at::Tensor& prot_idx, const at::Tensor& prot_val, int64_t bits,
+                            int64_t group, int64_t length) {
+  constexpr const char* op = "dequantize_k";
+  const QuantKShape s = check_packed_k(op, codes, scale, mn, prot_idx, prot_val, bits, group, length);
+  const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
+  const auto ic = prot_idx.contiguous(), vc = prot_val.contiguous();
+  auto out = at::empty({s.B, s.H, s.T, s.d}, scale.options());
+  Status status;
+  DLLM_DISPATCH_FLOATING_TYPES(scale.scalar_type(), "dllm::dequantize_k", [&] {
+    const scalar_t *sp = sc.const_data_ptr<scalar_t>(), *mp = mc.const_data_ptr<scalar_t>();
+    const scalar_t* vp = vc.const_data_ptr<scalar_t>();
+    scalar_t* op_ = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.B * s.H * s.n_groups, 1, [&](int64_t begin, int64_t end) {
+      int st = 0;
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t g = u % s.n_groups, bh = u / s.n_groups;
+        if (!dequant_k_group(s, bh, g, cc.const_data_ptr<uint8_t>(), sp, mp,
+                             ic.const_data_ptr<uint8_t>(), vp, op_ + (bh * s.T + g * s.G) * s.d))
+          st |= m::kQuantBadProtIdx;
+      }
+      status.add(st);
+    });
+  });
+  throw_quant_status(op, status.get());
+  return out;
+}
+
+template <typename T>
+void k_quant_error_kernel(const QuantKShape& s, const T* k, float* err, Status& status) {
+  const int G = static_cast<int>(s.G), bits = static_cast<int>(s.bits);
+  const int64_t d = s.d;
+  at::parallel_for(0, s.B * s.H * s.n_groups, 1, [&](int64_t begin, int64_t end) {
+    int st = 0;
+    float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = u % s.n_groups, bh = u / s.n_groups;
+      const int n_real = m::group_tokens(s.T, G, g);
+      const T* x = k + (bh * s.T + g * G) * d;
+      k_group_ranges<T>(s, x, n_real, nullptr, nullptr, nullptr, sf, mf, st);
+      for (int j = 0; j < n_real; ++j) {
+        float e = 0.f;
+        for (int64_t c = 0; c < d; ++c) {
+          const float v = widen(x[j * d + c]);
+          const float diff = v - dequant_as<T>(m::quant_code(v, sf[c], mf[c], bits), sf[c], mf[c]);
+          e += diff * diff;
+        }
+        err[bh * s.T + g * G + j] = e;
+      }
+    }
+    status.add(st);
+  });
+}
+
+at::Tensor k_quant_error_cpu(const at::Tensor& k, int64_t bits, int64_t group) {
+  constexpr const char* op = "k_quant_error";
+  const QuantKShape s = check_k_quant_error(k, bits, group);
+  const auto kc = k.contiguous();
+  auto err = at::empty({s.B, s.H, s.T}, k.options().dtype(at::kFloat));
+  Status status;
+  if (err.numel() > 0) {
+    DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::k_quant_error", [&] {
+      k_quant_error_kernel<scalar_t>(s, kc.const_data_ptr<scalar_t>(),
+                                     err.mutable_data_ptr<float>(), status);
+    });
+  }
+  throw_quant_status(op, status.get());
+  return err;
+}
+
+// ============================================================================
+// V: per token over channel groups
+// ============================================================================
+
+template <typename T>
+void quantize_v_row(const QuantVShape& s, const T* x, uint8_t* codes, T* scale, T* mn, int& st) {
+  const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
+  const int n = m::codes_per_byte(bits);
+  for (int64_t grp = 0; grp < s.n_groups; ++grp) {
+    const T* xg = x + grp * G;
+    m::QuantRange r = m::range_empty();
+    bool finite = true;
+    for (int c = 0; c < G; ++c) {
+      const float v = widen(xg[c]);
+      finite &= m::is_finite(v);
+      m::range_add(r, v);
+    }
+    if (!finite) st |= m::kQuantNonFinite;
+    const T sT = narrow<T>(m::range_scale(r, bits)), mT = narrow<T>(m::range_min(r));
+    scale[grp] = sT, mn[grp] = mT;
+    const float sf = widen(sT), mf = widen(mT);
+    if (!m::is_finite(sf)) st |= m::kQuantRangeOverflow;
+    uint8_t* out = codes + grp * (G / n);
+    for (int rb = 0; rb < G / n; ++rb) {
+      uint32_t byte = 0;
+      for (int jj = 0; jj < n; ++jj)
+        byte |= m::pack_code(m::quant_code(widen(xg[rb * n + jj]), sf, mf, bits), jj, bits);
+      out[rb] = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& v, int64_t bits,
+                                                              int64_t group) {
+  constexpr const char* op = "quantize_v";
+  const QuantVShape s = check_quantize_v(v, bits, group);
+  const auto vc = v.contiguous();
+  auto codes = at::empty({s.B, s.H, s.T, s.row_bytes}, v.options().dtype(at::kByte));
+  auto scale = at::empty({s.B, s.H, s.T, s.n_groups}, v.options());
+  auto mn = at::empty({s.B, s.H, s.T, s.n_groups}, v.options());
+  Status status;
+  DLLM_DISPATCH_FLOATING_TYPES(v.scalar_type(), "dllm::quantize_v", [&] {
+    const scalar_t* x = vc.const_data_ptr<scalar_t>();
+    uint8_t* cp = codes.mutable_data_ptr<uint8_t>();
+    scalar_t *sp = scale.mutable_data_ptr<scalar_t>(), *mp = mn.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.B * s.H * s.T, 64, [&](int64_t begin, int64_t end) {
+      int st = 0;
+      for (int64_t row = begin; row < end; ++row)
+        quantize_v_row(s, x + row * s.d, cp + row * s.row_bytes, sp + row * s.n_groups,
+                       mp + row * s.n_groups, st);
+      status.add(st);
+    });
+  });
+  throw_quant_status(op, status.get(), "v");
+  return {codes, scale, mn};
+}
+
+// One dequantized V row (d values) into out.
+template <typename T, typename O>
+void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn, O* out) {
+  const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
+  const int n = m::codes_per_byte(bits);
+  for (int64_t grp = 0; grp < s.n_groups; ++grp) {
+    const float sf = widen(scale[grp]), mf = widen(mn[grp]);
+    const uint8_t* cg = codes + grp * (G / n);
+    O* o = out + grp * G;
+    for (int c = 0; c < G; ++c)
+      o[c] = static_cast<O>(narrow<T>(m::dequant_value(m::unpack_code(cg[c / n], c % n, bits), sf, mf)));
+  }
+}
+
+at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
+                            int64_t bits, int64_t group) {
+  constexpr const char* op = "dequantize_v";
+  const QuantVShape s = check_packed_v(op, codes, scale, mn, bits, group);
+  const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
+  auto out = at::empty({s.B, s.H, s.T, s.d}, scale.options());
+  DLLM_DISPATCH_FLOATING_TYPES(scale.scalar_type(), "dllm::dequantize_v", [&] {
+    const uint8_t* cp = cc.const_data_ptr<uint8_t>();
+    const scalar_t *sp = sc.const_data_ptr<scalar_t>(), *mp = mc.const_data_ptr<scalar_t>();
+    scalar_t* op_ = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.B * s.H * s.T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row)
+        dequant_v_row(s, cp + row * s.row_bytes, sp + row * s.n_groups, mp + row * s.n_groups,
+                      op_ + row * s.d);
+    });
+  });
+  return out;
+}
+
+// ============================================================================
+// quant_attention
+// ============================================================================
+//
+// Work unit: one batch row b and one KV head. Its K and V are dequantized once
+// into fp32 scratch ([T, d] each, the values of the dequantized cache), then
+// each tile of Qt queries (M = Qt * G rows, G = H / H_kv heads per KV head)
+// runs S^T = K . Q^T, an exact fp32 softmax per column (math::softmax_*
+// helpers of sparse_kv), and O = P . V, both products through ATen's fp32
+// brgemm entry point.
+
+struct QAttnScratch {
+  std::vector<float> k, v, qt, st, p, o, mx, sum;
+  QAttnScratch(int64_t T, int64_t d, int64_t M)
+      : k(T * d), v(T * d), qt(d * M), st(T * M), p(M * T), o(M * d), mx(M), sum(M) {}
+};
+
+template <typename T>
+void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* kcodes,
+                            const T* kscale, const T* kmin, const uint8_t* kidx, const T* kval,
+                            const uint8_t* vcodes, const T* vscale, const T* vmin,
+                            const bool* key_valid, const int64_t* n_valid, float scale, T* out,
+                            Status& status) {
+  const int64_t G = s.H / s.H_kv, d = s.d, Tn = s.T;
+  int64_t Qt = std::max<int64_t>(1, 64 / G);
+  Qt = std::min(Qt, std::max<int64_t>(1, (int64_t{1} << 20) / (G * Tn)));
+  Qt = std::min(Qt, s.Q);
+  const int64_t M = Qt * G;
+  at::parallel_for(0, s.B * s.H_kv, 1, [&](int64_t begin, int64_t end) {
+    QAttnScratch w(Tn, d, M);
+    int st = 0;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.H_kv, kvh = bh % s.H_kv;
+      for (int64_t g = 0; g < s.k.n_groups; ++g)
+        if (!dequant_k_group(s.k, bh, g, kcodes, kscale, kmin, kidx, kval,
+                             w.k.data() + g * s.k.G * d))
+          st |= m::kQuantBadProtIdx;
+      for (int64_t t = 0; t < Tn; ++t) {
+        const int64_t row = bh * Tn + t;
+        dequant_v_row(s.v, vcodes + row * s.v.row_bytes, vscale + row * s.v.n_groups,
+                      vmin + row * s.v.n_groups, w.v.data() + t * d);
+      }
+      const bool* valid = key_valid ? key_valid + b * Tn : nullptr;
+      for (int64_t q0 = 0; q0 < s.Q; q0 += Qt) {
+        const int64_t qn = std::min(Qt, s.Q - q0), Mr = qn * G;
+        auto out_row = [&](int64_t r) { return out + ((b * s.Q + q0 + r / G) * s.H + kvh * G + r % G) * d; };
+        if (n_valid[b] == 0) {  // no valid key: zeros, as sparse_attention
+          for (int64_t r = 0; r < Mr; ++r) std::fill_n(out_row(r), d, T(0));
+          continue;
+        }
+        for (int64_t r = 0; r < Mr; ++r) {
+          const T* src = q + ((b * s.Q + q0 + r / G) * s.H + kvh * G + r % G) * d;
+          for (int64_t i = 0; i < d; ++i) w.qt[i * Mr + r] = widen(src[i]);
+        }
+        at::native::cpublas::brgemm(Tn, Mr, d, d, Mr, Mr, false, w.k.data(), w.qt.data(),
+                                    w.st.data(), false);
+        for (int64_t r = 0; r < Mr; ++r) w.mx[r] = -INFINITY, w.sum[r] = 0.f;
+        for (int64_t t = 0; t < Tn; ++t) {
+          if (valid && !valid[t]) continue;
+          float* srow = w.st.data() + t * Mr;
+          for (int64_t r = 0; r < Mr; ++r) w.mx[r] = std::max(w.mx[r], srow[r] * scale);
+        }
+        for (int64_t t = 0; t < Tn; ++t) {
+          float* srow = w.st.data() + t * Mr;
+          const bool ok = !valid || valid[t];
+          for (int64_t r = 0; r < Mr; ++r) {
+            const float e = ok ? m::softmax_weight(srow[r] * scale, w.mx[r]) : 0.f;
+            srow[r] = e;
+            w.sum[r] += e;
+          }
+        }
+        for (int64_t r = 0; r < Mr; ++r) {
+          const float inv = m::softmax_inv_sum(w.sum[r]);
+          float* prow = w.p.data() + r * Tn;
+          for (int64_t t = 0; t < Tn; ++t) prow[t] = w.st[t * Mr + r] * inv;
+        }
+        at::native::cpublas::brgemm(Mr, d, Tn, Tn, d, d, false, w.p.data(), w.v.data(),
+                                    w.o.data(), false);
+        for (int64_t r = 0; r < Mr; ++r) {
+          T* dst = out_row(r);
+          for (int64_t i = 0; i < d; ++i) dst[i] = narrow<T>(w.o[r * d + i]);
+        }
+      }
+    }
+    status.add(st);
+  });
+}
+
+at::Tensor quant_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes,
+                               const at::Tensor& k_scale, const at::Tensor& k_min,
+                               const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
+                               int64_t k_bits, int64_t k_group, const at::Tensor& v_codes,
+                               const at::Tensor& v_scale, const at::Tensor& v_min, int64_t v_bits,
+                               int64_t v_group, const std::optional<at::Tensor>& key_valid,
+                               double scale) {
+  constexpr const char* op = "quant_attention";
+  const QuantAttnShape s =
+      check_quant_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
+                            v_codes, v_scale, v_min, v_bits, v_group, key_valid, scale);
+  const auto qc = q.contiguous();
+  const auto kcc = k_codes.contiguous(), ksc = k_scale.contiguous(), kmc = k_min.contiguous();
+  const auto kic = k_prot_idx.contiguous(), kvc = k_prot_val.contiguous();
+  const auto vcc = v_codes.contiguous(), vsc = v_scale.contiguous(), vmc = v_min.contiguous();
+  auto out = at::empty({s.B, s.Q, s.H, s.d}, q.options());
+  if (s.B == 0 || s.Q == 0 || s.H == 0) return out;
+  at::Tensor valid_c, n_valid;
+  if (key_valid.has_value()) {
+    valid_c = key_valid->contiguous();
+    n_valid = valid_c.sum(1).to(at::kLong).contiguous();
+  } else {
+    n_valid = at::full({s.B}, s.T, at::kLong);
+  }
+  Status status;
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::quant_attention", [&] {
+    quant_attention_kernel<scalar_t>(
+        s, qc.const_data_ptr<scalar_t>(), kcc.const_data_ptr<uint8_t>(),
+        ksc.const_data_ptr<scalar_t>(), kmc.const_data_ptr<scalar_t>(),
+        kic.const_data_ptr<uint8_t>(), kvc.const_data_ptr<scalar_t>(),
+        vcc.const_data_ptr<uint8_t>(), vsc.const_data_ptr<scalar_t>(),
+        vmc.const_data_ptr<scalar_t>(), valid_c.defined() ? valid_c.const_data_ptr<bool>() : nullptr,
+        n_valid.const_data_ptr<int64_t>(), static_cast<float>(scale),
+        out.mutable_data_ptr<scalar_t>(), status);
+  });
+  throw_quant_status(op, status.get());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dllm, CPU, m) {
+  m.impl("quantize_k", &quantize_k_cpu);
+  m.impl("dequantize_k", &dequantize_k_cpu);
+  m.impl("k_quant_error", &k_quant_error_cpu);
+  m.impl("quantize_v", &quantize_v_cpu);
+  m.impl("dequantize_v", &dequantize_v_cpu);
+  m.impl("quant_attention", &quant_attention_cpu);
+}
+
+}  // namespace dllm

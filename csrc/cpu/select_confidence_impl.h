@@ -1,0 +1,250 @@
+// CPU row kernels of token_confidence, written once and compiled per
+// instruction set: csrc/cpu/select.cpp includes this file (no include guard)
+// several times, each inside its own namespace and `#pragma GCC target`
+// region, with DLLM_VEC_FLOATS floats per vector (4: SSE2, 8: AVX2,
+// 16: AVX-512), and picks one at run time.
+//
+// The loops use GCC vector extensions, not auto-vectorization: without
+// -fno-trapping-math GCC will not if-convert the selects of a vectorized exp,
+// and such loops stay scalar.
+//
+// A row is read in chunks of kChunk logits, converted to fp32 into an L1
+// buffer padded with -inf to whole vector pairs. Per chunk: one pass for the
+// top-2 and NaN/+inf detection, one softmax_top_absorb of the chunk max, one
+// pass for the sums of e^{x-m} (and (x-m) e^{x-m}) relative to the updated max.
+// So memory is read once and the running max is rescaled at most once per
+// chunk. Sums are Kahan-compensated per lane and per chunk: a row of many
+// equal bf16 values sums as accurately as a random one.
+
+constexpr int kVec = DLLM_VEC_FLOATS;
+constexpr int kPad = 2 * kVec;  // the sum loops take two vectors per step (two Kahan chains)
+typedef float vf __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+typedef int32_t vi __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf vsplat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int l = 0; l < kVec; ++l) s += v[l];
+  return s;
+}
+
+// e^z for z <= 0 (a shifted logit), within 1e-7 relative (Cephes expf
+// polynomial after z = k ln2 + r). Results below 2^-126 (z < about -87.3)
+// are 0: such terms are < 1e-38 of a softmax sum that is >= 1.
+inline vf vexp_nonpos(vf z) {
+  const vf zc = vmax(z, vsplat(-128.f));
+  const vf kf = (zc * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(z / ln 2)
+  const vi kraw = __builtin_convertvector(kf, vi);
+  const vi k = kraw < -126 ? vi{} - 126 : kraw;
+  const vf kc = __builtin_convertvector(k, vf);
+  vf r = zc - kc * 0.693359375f;
+  r = r - kc * -2.12194440e-4f;
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vf v = p * (vf)((k + 127) << 23);  // (vf) reinterprets the bits as 2^k
+  const vi keep = kraw >= -126;            // all ones where 2^k is a normal number
+  return (vf)((vi)v & keep);
+}
+
+// log(1 + u) for u in [0, 1]: 2 atanh(s), s = u / (2 + u) <= 1/3, by its odd
+// series to s^17 (the first dropped term is < 2e-10 relative).
+inline vf vlog1p_unit(vf u) {
+  const vf s = u / (u + 2.f);
+  const vf s2 = s * s;
+  vf q = vsplat(1.f / 17);
+  q = q * s2 + 1.f / 15;
+  q = q * s2 + 1.f / 13;
+  q = q * s2 + 1.f / 11;
+  q = q * s2 + 1.f / 9;
+  q = q * s2 + 1.f / 7;
+  q = q * s2 + 1.f / 5;
+  q = q * s2 + 1.f / 3;
+  q = q * s2 + 1.f;
+  return 2.f * s * q;
+}
+
+// Kahan-compensated lanes; value() folds the compensation.
+struct LaneSum {
+  vf s = vf{}, c = vf{};
+  void add(vf x) {
+    const vf y = x - c;
+    const vf t = s + y;
+    c = (t - s) - y;
+    s = t;
+  }
+  vf value() const { return s - c; }
+};
+
+inline void load_chunk(const float* __restrict__ x, int n, float* __restrict__ buf) {
+  std::memcpy(buf, x, sizeof(float) * n);
+}
+inline void load_chunk(const at::BFloat16* __restrict__ x, int n, float* __restrict__ buf) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(x);
+  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+  for (int i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;  // fp32's top half
+}
+inline void load_chunk(const at::Half* __restrict__ x, int n, float* __restrict__ buf) {
+  for (int i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+}
+
+// Converts logits [c0, c0 + n) into buf, sets suppressed ids to -inf (*pos
+// walks the sorted ids) and pads to whole vector pairs with -inf. Returns the
+// padded length.
+template <typename T>
+inline int fill_chunk(const T* x, int64_t c0, int n, const SuppressList& s, size_t* pos,
+                      float* buf) {
+  load_chunk(x + c0, n, buf);
+  for (; *pos < s.ids.size() && s.ids[*pos] < c0 + n; ++*pos) buf[s.ids[*pos] - c0] = -INFINITY;
+  const int padded = (n + kPad - 1) / kPad * kPad;
+  for (int i = n; i < padded; ++i) buf[i] = -INFINITY;
+  return padded;
+}
+
+// The chunk's largest and second-largest (multiset) value; false when it
+// holds a NaN or +inf (the row is then rejected).
+inline bool chunk_scan(const float* __restrict__ buf, int n, float* top1, float* top2) {
+  vf t1 = vsplat(-INFINITY), t2 = t1;
+  vi bad = vi{};
+  for (int i = 0; i < n; i += kVec) {
+    const vf v = vload(buf + i);
+    bad |= (v != v) | (v == INFINITY);
+    t2 = vmax(t2, vmin(t1, v));
+    t1 = vmax(t1, v);
+  }
+  for (int l = 0; l < kVec; ++l)
+    if (bad[l]) return false;
+  float a1 = t1[0], a2 = t2[0];
+  for (int l = 1; l < kVec; ++l) {  // second of a union = max(min of firsts, seconds)
+    a2 = std::max(std::max(a2, t2[l]), std::min(a1, t1[l]));
+    a1 = std::max(a1, t1[l]);
+  }
+  *top1 = a1;
+  *top2 = a2;
+  return true;
+}
+
+// Sums of w = e^{x-m} and (x-m) w over the chunk (z clamped as
+// math::softmax_shift does, so -inf padding adds exactly 0).
+template <bool kMoments>
+inline void chunk_sums(const float* __restrict__ buf, int n, float m, float* r_out,
+                       float* s1_out) {
+  LaneSum r0, r1, z0, z1;
+  const vf mm = vsplat(m), lo = vsplat(-128.f);
+  for (int i = 0; i < n; i += kPad) {
+    const vf za = vmax(vload(buf + i) - mm, lo);
+    const vf zb = vmax(vload(buf + i + kVec) - mm, lo);
+    const vf wa = vexp_nonpos(za), wb = vexp_nonpos(zb);
+    r0.add(wa);
+    r1.add(wb);
+    if (kMoments) {
+      z0.add(za * wa);
+      z1.add(zb * wb);
+    }
+  }
+  *r_out = hsum(r0.value() + r1.value());
+  *s1_out = kMoments ? hsum(z0.value() + z1.value()) : 0.f;
+}
+
+template <typename T, int kMode, bool kNoisy>
+ConfRow confidence_pass(const T* __restrict__ x, int64_t V, const float* __restrict__ g,
+                        double temperature, const SuppressList& sup) {
+  alignas(64) float buf[kChunk + kPad];
+  ConfRow row{math::softmax_top_empty(), math::noisy_argmax_empty()};
+  math::SoftmaxTop& st = row.st;
+  size_t spos = 0;
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, V - c0));
+    const int padded = fill_chunk(x, c0, n, sup, &spos, buf);
+    float top1, top2;
+    if (!chunk_scan(buf, padded, &top1, &top2)) {
+      st.bad = 1;
+      return row;
+    }
+    if (kNoisy) {
+      for (int i = 0; i < n; ++i) {
+        const float gi = g[c0 + i];
+        if (buf[i] != -INFINITY && gi != gi) {
+          st.bad = 1;
+          return row;
+        }
+        math::noisy_argmax_add(row.na, math::gumbel_perturb(buf[i], gi, temperature),
+                               static_cast<int32_t>(c0 + i), buf[i]);
+      }
+    }
+    // Only a new max needs its index: a tie with the running max lies at a
+    // higher index than st.i1 (chunks are in order), so it changes nothing.
+    int32_t gidx = INT32_MAX;
+    if (top1 > st.m) gidx = static_cast<int32_t>(c0 + (std::find(buf, buf + n, top1) - buf));
+    const bool excluded = math::softmax_top_absorb(st, top1, gidx, top2);
+    if (excluded) buf[gidx - c0] = -INFINITY;  // the implicit 1 of S0 = 1 + r
+    float r, s1;
+    chunk_sums<kMode == math::kConfNegEntropy>(buf, padded, st.m, &r, &s1);
+    math::softmax_top_add(st, r, s1);
+  }
+  return row;
+}
+
+// Dream's +1e-10 correction, sum p log1p(eps/p): a second read of the row
+// (from cache), once m and S0 are final; `st` is folded. The same three
+// bands as math::neg_entropy_eps_term, per lane: eps for t < -17, p t for
+// t > 17, p softplus(t) between, softplus(t) = max(t, 0) + log1p(e^-|t|).
+template <typename T>
+float neg_entropy_eps_pass(const T* __restrict__ x, int64_t V, const math::SoftmaxTop& st,
+                           const SuppressList& sup) {
+  alignas(64) float buf[kChunk + kPad];
+  const vf inv_s0 = vsplat(math::softmax_top_inv_s0(st));
+  const vf les = vsplat(math::neg_entropy_log_eps_s0(st));
+  const vf mm = vsplat(st.m), lo = vsplat(-128.f), zero = vf{};
+  const vf eps = vsplat(math::kNegEntropyEps);
+  size_t spos = 0;
+  float total = 0.f, comp = 0.f;
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, V - c0));
+    const int padded = fill_chunk(x, c0, n, sup, &spos, buf);
+    LaneSum part;
+    for (int i = 0; i < padded; i += kVec) {
+      const vf z = vmax(vload(buf + i) - mm, lo);  // -inf logits: p = 0, so the term is 0
+      const vf t = les - z;
+      const vf p = vexp_nonpos(z) * inv_s0;
+      const vf at = vmax(t, -t);
+      const vf softplus = vmax(t, zero) + vlog1p_unit(vexp_nonpos(-at));
+      const vf mid = p * softplus;
+      const vf term = t < -17.f ? eps : (t > 17.f ? p * t : mid);
+      part.add(term);
+    }
+    math::kahan_add(total, comp, hsum(part.value()));
+  }
+  return total - comp;
+}
+
+template <typename T, int kMode, bool kNoisy>
+void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const float* noise,
+                     int64_t nld, double temperature, const SuppressList& sup, int64_t* token,
+                     float* score, std::atomic<int>* any_bad) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / V);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = logits + r * ld;
+      const ConfRow row = confidence_pass<T, kMode, kNoisy>(
+          x, V, kNoisy ? noise + r * nld : nullptr, temperature, sup);
+      float eps_sum = 0.f;
+      if (kMode == math::kConfNegEntropy && math::softmax_top_ok(row.st))
+        eps_sum = neg_entropy_eps_pass(x, V, math::softmax_top_folded(row.st), sup);
+      token[r] = math::confidence_token(row.st, kNoisy, row.na);
+      score[r] = math::confidence_score(row.st, kMode, kNoisy, row.na, eps_sum);
+      if (!math::softmax_top_ok(row.st)) any_bad->store(1, std::memory_order_relaxed);
+    }
+  });
+}

@@ -1,0 +1,595 @@
+// ATen-free CUDA kernels of the `quant` family (dLLM-KVQ packed KV cache):
+// grouped K quantization with top-p protected tokens, V quantization, both
+// dequantizations, the p = 0 K reconstruction error, and flash-style softmax
+// attention that dequantizes the packed cache tile by tile in shared memory.
+// Element math: common/quant_math.h (shared with the CPU kernels, so codes,
+// scales and mins are bit-identical); softmax state: common/sparse_kv_math.h.
+//
+// Data-dependent faults set bits of a device status word (math::QuantStatus)
+// that the glue reads back once per call.
+#pragma once
+
+#include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
+#include "common/quant_math.h"
+#include "common/sparse_kv_math.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace dllm {
+namespace cuda {
+namespace quant {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / kWarp;
+constexpr int kMaxChunks = math::kQuantMaxHeadDim / kWarp;  // 32-channel chunks of a row
+
+// A packed K cache (K packed along tokens):
+//   codes    [B, H_kv, rows, d] uint8, rows = n_groups * G * bits / 8; byte (r, c)
+//            holds token r * (8 / bits) + j of channel c at bits [bits*j, bits*j + bits)
+//   scale, mn [B, H_kv, n_groups, d]
+//   prot_idx [B, H_kv, n_groups, p] uint8 in-group token index, 255 = unused slot
+//   prot_val [B, H_kv, n_groups, p, d] the protected tokens' original values
+template <typename T>
+struct PackedK {
+  const uint8_t* codes;
+  const T* scale;
+  const T* mn;
+  const uint8_t* prot_idx;
+  const T* prot_val;
+  int bits, G, p, n_groups;
+  int64_t rows;
+};
+
+// A packed V cache (V packed along channels):
+//   codes [B, H_kv, T, row_bytes] uint8, row_bytes = d * bits / 8; byte (t, r)
+//         holds channel r * (8 / bits) + j at bits [bits*j, bits*j + bits)
+//   scale, mn [B, H_kv, T, n_groups], n_groups = d / G
+template <typename T>
+struct PackedV {
+  const uint8_t* codes;
+  const T* scale;
+  const T* mn;
+  int bits, G, n_groups;
+  int64_t row_bytes;
+};
+
+__device__ __forceinline__ float warp_max_f(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ void report(int* status, int bits) {
+  if (bits) atomicOr(status, bits);
+}
+
+// A value as the dequantized cache (dtype T) holds it, widened to fp32.
+template <typename T>
+__device__ __forceinline__ float dequant_as(uint32_t code, float scale, float mn) {
+  return to_float(from_float<T>(math::dequant_value(code, scale, mn)));
+}
+
+// ============================================================================
+// K quantization: one block per (b, h, group), threads over channels
+// ============================================================================
+
+// Warp 0 picks the group's top-np tokens by importance (ties to the lower
+// index): np rounds of a warp argmax over the tokens still free. Lane l owns
+// in-group tokens l, l + 32, l + 64, l + 96. Writes slot_of[token] = slot and
+// chosen[slot] = token, and returns how many were chosen (0 on NaN input,
+// which is reported instead).
+__device__ __forceinline__ int select_protected_warp(const float* __restrict__ imp, int n_real,
+                                                     int np, uint8_t* slot_of, int* chosen,
+                                                     int* status) {
+  constexpr int kPerLane = math::kQuantMaxGroup / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  float v[kPerLane];
+  bool live[kPerLane];
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int j = lane + i * kWarp;
+    live[i] = j < n_real;
+    v[i] = live[i] ? imp[j] : -INFINITY;
+    nan |= live[i] && v[i] != v[i];  // NaN
+  }
+  if (__any_sync(kFullMask, nan)) {
+    if (lane == 0) report(status, math::kQuantNanImportance);
+    return 0;
+  }
+  for (int s = 0; s < np; ++s) {
+    float bv = -INFINITY;
+    int bj = -1;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int j = lane + i * kWarp;
+      if (live[i] && (bj < 0 || math::ranks_before(v[i], j, bv, bj))) bv = v[i], bj = j;
+    }
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      const float ov = __shfl_xor_sync(kFullMask, bv, offset);
+      const int oj = __shfl_xor_sync(kFullMask, bj, offset);
+      if (oj >= 0 && (bj < 0 || math::ranks_before(ov, oj, bv, bj))) bv = ov, bj = oj;
+    }
+    // A strict total order (no NaN): every lane holds the same winner.
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (bj == lane + i * kWarp) live[i] = false;
+    if (lane == 0) {
+      chosen[s] = bj;
+      slot_of[bj] = static_cast<uint8_t>(s);
+    }
+  }
+  return np;
+}
+
+// Range of channel c over the group's real tokens whose slot_of is unused
+// (every real token when slot_of is null), and whether all were finite.
+template <typename T>
+__device__ __forceinline__ math::QuantRange k_channel_range(const T* __restrict__ x, int d, int c,
+                                                            int n_real, const uint8_t* slot_of,
+                                                            bool& finite) {
+  math::QuantRange r = math::range_empty();
+  for (int j = 0; j < n_real; ++j) {
+    const float v = to_float(x[static_cast<int64_t>(j) * d + c]);
+    finite &= math::is_finite(v);
+    if (slot_of == nullptr || slot_of[j] == math::kProtUnused) math::range_add(r, v);
+  }
+  return r;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_k_kernel(const T* __restrict__ k, const float* __restrict__ imp, int imp_per_head,
+                      uint8_t* __restrict__ codes, T* __restrict__ scale, T* __restrict__ mn,
+                      uint8_t* __restrict__ prot_idx, T* __restrict__ prot_val,
+                      int* __restrict__ status, int H, int T_len, int d, int G, int bits, int p,
+                      int n_groups, int64_t rows) {
+  __shared__ uint8_t slot_of[math::kQuantMaxGroup];
+  __shared__ int chosen[math::kQuantMaxProtect];
+  __shared__ int n_chosen;
+  const int64_t u = blockIdx.x;
+  const int64_t g = u % n_groups, bh = u / n_groups;
+  const int n_real = math::group_tokens(T_len, G, g);
+  const int n = math::codes_per_byte(bits);
+  for (int j = threadIdx.x; j < math::kQuantMaxGroup; j += blockDim.x) slot_of[j] = math::kProtUnused;
+  if (threadIdx.x == 0) n_chosen = 0;
+  __syncthreads();
+  const int np = min(p, n_real);
+  if (np > 0 && threadIdx.x < kWarp) {
+    const float* imp_g = imp + (imp_per_head ? bh : bh / H) * static_cast<int64_t>(T_len) + g * G;
+    const int got = select_protected_warp(imp_g, n_real, np, slot_of, chosen, status);
+    if (threadIdx.x == 0) n_chosen = got;
+  }
+  __syncthreads();
+  const int chosen_n = n_chosen;
+  const T* x = k + (bh * T_len + g * G) * static_cast<int64_t>(d);
+  int bad = 0;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    bool finite = true;
+    const math::QuantRange r = k_channel_range(x, d, c, n_real, slot_of, finite);
+    if (!finite) bad |= math::kQuantNonFinite;
+    const T sT = from_float<T>(math::range_scale(r, bits));
+    const T mT = from_float<T>(math::range_min(r));
+    scale[u * d + c] = sT;
+    mn[u * d + c] = mT;
+    const float sf = to_float(sT), mf = to_float(mT);
+    if (!math::is_finite(sf)) bad |= math::kQuantRangeOverflow;
+    uint8_t* out = codes + (bh * rows + g * (G / n)) * d + c;
+    for (int rb = 0; rb < G / n; ++rb) {
+      uint32_t byte = 0;
+      for (int jj = 0; jj < n; ++jj) {
+        const int j = rb * n + jj;
+        if (j < n_real && slot_of[j] == math::kProtUnused)
+          byte |= math::pack_code(
+              math::quant_code(to_float(x[static_cast<int64_t>(j) * d + c]), sf, mf, bits), jj, bits);
+      }
+      out[static_cast<int64_t>(rb) * d] = static_cast<uint8_t>(byte);
+    }
+    for (int sl = 0; sl < p; ++sl)
+      prot_val[(u * p + sl) * d + c] =
+          sl < chosen_n ? x[static_cast<int64_t>(chosen[sl]) * d + c] : from_float<T>(0.f);
+  }
+  const int tid = threadIdx.x;
+  if (tid < p)
+    prot_idx[u * p + tid] = tid < chosen_n ? static_cast<uint8_t>(chosen[tid]) : math::kProtUnused;
+  report(status, bad);
+}
+
+// imp: fp32 [B, T] (imp_per_head = 0) or [B, H, T] (1); may be null when p = 0.
+template <typename T>
+void launch_quantize_k(const T* k, const float* imp, int imp_per_head, uint8_t* codes, T* scale,
+                       T* mn, uint8_t* prot_idx, T* prot_val, int* status, int64_t B, int H,
+                       int T_len, int d, int G, int bits, int p, stream_t stream) {
+  const int n_groups = (T_len + G - 1) / G;
+  const int64_t blocks = B * H * n_groups;
+  if (blocks == 0) return;
+  const int64_t rows = static_cast<int64_t>(n_groups) * G / math::codes_per_byte(bits);
+  DLLM_LAUNCH(quantize_k_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+              k, imp, imp_per_head, codes, scale, mn, prot_idx, prot_val, status, H, T_len, d, G,
+              bits, p, n_groups, rows);
+}
+
+// ============================================================================
+// k_quant_error: p = 0 ranges per channel, then one warp per token
+// ============================================================================
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    k_quant_error_kernel(const T* __restrict__ k, float* __restrict__ err, int* __restrict__ status,
+                         int T_len, int d, int G, int bits, int n_groups) {
+  __shared__ float sf[math::kQuantMaxHeadDim];
+  __shared__ float mf[math::kQuantMaxHeadDim];
+  const int64_t u = blockIdx.x;
+  const int64_t g = u % n_groups, bh = u / n_groups;
+  const int n_real = math::group_tokens(T_len, G, g);
+  const T* x = k + (bh * T_len + g * G) * static_cast<int64_t>(d);
+  int bad = 0;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    bool finite = true;
+    const math::QuantRange r = k_channel_range(x, d, c, n_real, nullptr, finite);
+    if (!finite) bad |= math::kQuantNonFinite;
+    sf[c] = to_float(from_float<T>(math::range_scale(r, bits)));
+    mf[c] = to_float(from_float<T>(math::range_min(r)));
+    if (!math::is_finite(sf[c])) bad |= math::kQuantRangeOverflow;
+  }
+  report(status, bad);
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  for (int j = warp; j < n_real; j += kWarps) {
+    float e = 0.f;
+    for (int c = lane; c < d; c += kWarp) {
+      const float v = to_float(x[static_cast<int64_t>(j) * d + c]);
+      const float diff = v - dequant_as<T>(math::quant_code(v, sf[c], mf[c], bits), sf[c], mf[c]);
+      e += diff * diff;
+    }
+    e = warp_sum(e);
+    if (lane == 0) err[bh * T_len + g * G + j] = e;
+  }
+}
+
+template <typename T>
+void launch_k_quant_error(const T* k, float* err, int* status, int64_t B, int H, int T_len, int d,
+                          int G, int bits, stream_t stream) {
+  const int n_groups = (T_len + G - 1) / G;
+  const int64_t blocks = B * H * n_groups;
+  if (blocks == 0) return;
+  DLLM_LAUNCH(k_quant_error_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+              stream, k, err, status, T_len, d, G, bits, n_groups);
+}
+
+// ============================================================================
+// K dequantization: one block per (b, h, group), threads over channels
+// ============================================================================
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_k_kernel(PackedK<T> pk, T* __restrict__ out, int* __restrict__ status, int T_len,
+                        int d) {
+  __shared__ uint8_t slot_of[math::kQuantMaxGroup];
+  __shared__ int ok;
+  const int64_t u = blockIdx.x;
+  const int64_t g = u % pk.n_groups, bh = u / pk.n_groups;
+  const int G = pk.G, p = pk.p, n = math::codes_per_byte(pk.bits);
+  const int n_real = math::group_tokens(T_len, G, g);
+  const uint8_t* pidx = pk.prot_idx + u * p;
+  for (int j = threadIdx.x; j < math::kQuantMaxGroup; j += blockDim.x) slot_of[j] = math::kProtUnused;
+  if (threadIdx.x == 0) {
+    ok = math::prot_group_valid(pidx, p, n_real);
+    if (!ok) report(status, math::kQuantBadProtIdx);
+  }
+  __syncthreads();
+  if (!ok) return;  // block-uniform
+  const int tid = threadIdx.x;
+  if (tid < p && pidx[tid] != math::kProtUnused)
+    slot_of[pidx[tid]] = static_cast<uint8_t>(tid);  // distinct entries: validated above
+  __syncthreads();
+  T* o = out + (bh * T_len + g * G) * static_cast<int64_t>(d);
+  const uint8_t* crow = pk.codes + (bh * pk.rows + g * (G / n)) * d;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    const float sf = to_float(pk.scale[u * d + c]), mf = to_float(pk.mn[u * d + c]);
+    for (int j = 0; j < n_real; ++j) {
+      const int slot = slot_of[j];
+      o[static_cast<int64_t>(j) * d + c] =
+          slot != math::kProtUnused
+              ? pk.prot_val[(u * p + slot) * d + c]
+              : from_float<T>(math::dequant_value(
+                    math::unpack_code(crow[static_cast<int64_t>(j / n) * d + c], j % n, pk.bits),
+                    sf, mf));
+    }
+  }
+}
+
+template <typename T>
+void launch_dequantize_k(PackedK<T> pk, T* out, int* status, int64_t B, int H, int T_len, int d,
+                         stream_t stream) {
+  const int64_t blocks = B * H * pk.n_groups;
+  if (blocks == 0) return;
+  DLLM_LAUNCH(dequantize_k_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+              stream, pk, out, status, T_len, d);
+}
+
+// ============================================================================
+// V quantization: one warp per token row
+// ============================================================================
+// Lane l holds channels l + 32 i. A group of G <= 32 channels is an aligned
+// segment of G lanes of one chunk (reduced with xor offsets < G); a group of
+// G > 32 spans G / 32 whole chunks (reduced over the warp, then merged). Codes
+// of 8 / bits consecutive channels (consecutive lanes) are gathered into one
+// byte with shuffles.
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_v_kernel(const T* __restrict__ v, uint8_t* __restrict__ codes, T* __restrict__ scale,
+                      T* __restrict__ mn, int* __restrict__ status, int64_t n_rows, int d, int G,
+                      int bits) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp;
+  if (row >= n_rows) return;  // warp-uniform; no block barrier below
+  const int n = math::codes_per_byte(bits), n_groups = d / G, row_bytes = d * bits / 8;
+  const int n_chunks = (d + kWarp - 1) / kWarp, seg = G < kWarp ? G : kWarp;
+  const T* x = v + row * d;
+  float xv[kMaxChunks];
+  math::QuantRange cr[kMaxChunks];
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    if (i >= n_chunks) break;
+    const int c = lane + i * kWarp;
+    xv[i] = c < d ? to_float(x[c]) : 0.f;
+    math::QuantRange r = math::range_empty();
+    if (c < d) {
+      finite &= math::is_finite(xv[i]);
+      math::range_add(r, xv[i]);
+    }
+    for (int offset = seg / 2; offset > 0; offset /= 2) {
+      r.mn = fminf(r.mn, __shfl_xor_sync(kFullMask, r.mn, offset));
+      r.mx = fmaxf(r.mx, __shfl_xor_sync(kFullMask, r.mx, offset));
+    }
+    cr[i] = r;
+  }
+  if (G > kWarp) {  // merge the G / 32 chunks of each group
+    const int per = G / kWarp;
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; ++i) {
+      if (i >= n_chunks || i % per != 0) continue;
+      math::QuantRange r = cr[i];
+      for (int k2 = 1; k2 < per; ++k2) r = math::range_merge(r, cr[i + k2]);
+      for (int k2 = 0; k2 < per; ++k2) cr[i + k2] = r;
+    }
+  }
+  if (__any_sync(kFullMask, !finite) && lane == 0) report(status, math::kQuantNonFinite);
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    if (i >= n_chunks) break;
+    const int c = lane + i * kWarp;
+    const T sT = from_float<T>(math::range_scale(cr[i], bits));
+    const T mT = from_float<T>(math::range_min(cr[i]));
+    const float sf = to_float(sT), mf = to_float(mT);
+    if (c < d && c % G == 0) {
+      scale[row * n_groups + c / G] = sT;
+      mn[row * n_groups + c / G] = mT;
+      if (!math::is_finite(sf)) bad |= math::kQuantRangeOverflow;
+    }
+    const uint32_t code = c < d ? math::quant_code(xv[i], sf, mf, bits) : 0u;
+    uint32_t byte = code;
+    for (int k2 = 1; k2 < n; ++k2)
+      byte |= math::pack_code(__shfl_down_sync(kFullMask, code, k2), k2, bits);
+    if (c < d && lane % n == 0) codes[row * row_bytes + c / n] = static_cast<uint8_t>(byte);
+  }
+  report(status, bad);
+}
+
+template <typename T>
+void launch_quantize_v(const T* v, uint8_t* codes, T* scale, T* mn, int* status, int64_t n_rows,
+                       int d, int G, int bits, stream_t stream) {
+  if (n_rows == 0) return;
+  const int64_t blocks = (n_rows + kWarps - 1) / kWarps;
+  DLLM_LAUNCH(quantize_v_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+              v, codes, scale, mn, status, n_rows, d, G, bits);
+}
+
+// ============================================================================
+// V dequantization: elementwise, grid-stride
+// ============================================================================
+
+template <typename T>
+__device__ __forceinline__ float v_value(const PackedV<T>& pv, int64_t row, int c) {
+  const int n = math::codes_per_byte(pv.bits);
+  const uint32_t code = math::unpack_code(pv.codes[row * pv.row_bytes + c / n], c % n, pv.bits);
+  const int64_t grp = row * pv.n_groups + c / pv.G;
+  return math::dequant_value(code, to_float(pv.scale[grp]), to_float(pv.mn[grp]));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+    dequantize_v_kernel(PackedV<T> pv, T* __restrict__ out, int64_t total, int d) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[e] = from_float<T>(v_value(pv, e / d, static_cast<int>(e % d)));
+}
+
+template <typename T>
+void launch_dequantize_v(PackedV<T> pv, T* out, int64_t n_rows, int d, stream_t stream) {
+  const int64_t total = n_rows * d;
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
+  DLLM_LAUNCH(dequantize_v_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, pv,
+              out, total, d);
+}
+
+// ============================================================================
+// quant_attention
+// ============================================================================
+// Rows: for batch b and KV head kvh, row r = qi * G + g is query qi of head
+// kvh * G + g (G = H / H_kv). A block of 4 warps owns kRowsPerWarp rows per
+// warp and streams the keys in tiles of kKeys. Each tile is dequantized into
+// shared memory (fp32 holding the dtype-rounded dequantized values, or the
+// protected tokens' stored values), then: lane l scores key t0 + l, the warp
+// updates each row's online-softmax state (math::SoftmaxState) and rescales
+// its fp32 output accumulator, and adds p_t * V[t] (lane l owns output dims
+// l, l + 32, ...). Blocks with blockIdx.x == 0 also validate prot_idx of
+// their (b, kvh).
+
+template <int DCH>
+struct QAttnTile {
+  static constexpr int kRowsPerWarp = DCH <= 4 ? 4 : 2;
+  static constexpr int kKeys = DCH <= 4 ? 32 : 16;
+  static constexpr int kRows = kWarps * kRowsPerWarp;
+  static constexpr int kDim = DCH * kWarp;
+};
+
+template <typename T, int DCH>
+__global__ void __launch_bounds__(kThreads)
+    quant_attention_kernel(const T* __restrict__ q, PackedK<T> pk, PackedV<T> pv,
+                           const bool* __restrict__ key_valid, float scale, T* __restrict__ out,
+                           int* __restrict__ status, int Q, int H, int H_kv, int T_len, int d) {
+  using Tile = QAttnTile<DCH>;
+  constexpr int RW = Tile::kRowsPerWarp, BK = Tile::kKeys, R = Tile::kRows, DM = Tile::kDim;
+  __shared__ float qs[R][DM];
+  __shared__ float ks[BK][DM + 1];  // +1: lanes read different keys, conflict-free
+  __shared__ float vs[BK][DM];
+  __shared__ int kslot[BK];  // protected slot of each key of the tile, or -1
+  const int G = H / H_kv;
+  const int kvh = blockIdx.y;
+  const int64_t b = blockIdx.z, bh = b * H_kv + kvh;
+  const int row0 = blockIdx.x * R, n_rows = Q * G;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int nk = math::codes_per_byte(pk.bits);
+
+  if (blockIdx.x == 0) {
+    int bad = 0;
+    for (int g = threadIdx.x; g < pk.n_groups; g += blockDim.x)
+      if (!math::prot_group_valid(pk.prot_idx + (bh * pk.n_groups + g) * pk.p, pk.p,
+                                  math::group_tokens(T_len, pk.G, g)))
+        bad = math::kQuantBadProtIdx;
+    report(status, bad);
+  }
+  for (int e = threadIdx.x; e < R * d; e += blockDim.x) {
+    const int rr = e / d, i = e % d, r = row0 + rr;
+    qs[rr][i] = r < n_rows ? to_float(q[((b * Q + r / G) * H + kvh * G + r % G) * d + i]) : 0.f;
+  }
+
+  math::SoftmaxState st[RW];
+  float acc[RW][DCH];
+#pragma unroll
+  for (int w = 0; w < RW; ++w) {
+    st[w] = math::softmax_state_empty();
+#pragma unroll
+    for (int c = 0; c < DCH; ++c) acc[w][c] = 0.f;
+  }
+
+  for (int t0 = 0; t0 < T_len; t0 += BK) {
+    __syncthreads();  // the previous tile is fully consumed (and qs is loaded)
+    if (static_cast<int>(threadIdx.x) < BK) {
+      const int t = t0 + threadIdx.x;
+      int slot = -1;
+      if (t < T_len) {
+        const int g = t / pk.G;
+        slot = math::prot_slot_of(pk.prot_idx + (bh * pk.n_groups + g) * pk.p, pk.p, t % pk.G);
+      }
+      kslot[threadIdx.x] = slot;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+      const int kk = e / d, i = e % d;
+      const int t = t0 + kk;
+      float kx = 0.f, vx = 0.f;
+      if (t < T_len) {
+        const int64_t kg = bh * pk.n_groups + t / pk.G;
+        const int slot = kslot[kk];
+        if (slot >= 0) {
+          kx = to_float(pk.prot_val[(kg * pk.p + slot) * d + i]);
+        } else {
+          const uint32_t code =
+              math::unpack_code(pk.codes[(bh * pk.rows + t / nk) * d + i], t % nk, pk.bits);
+          kx = dequant_as<T>(code, to_float(pk.scale[kg * d + i]), to_float(pk.mn[kg * d + i]));
+        }
+        vx = to_float(from_float<T>(v_value(pv, bh * T_len + t, i)));
+      }
+      ks[kk][i] = kx;
+      vs[kk][i] = vx;
+    }
+    __syncthreads();
+    const int tk = t0 + lane;
+    const bool key_ok =
+        lane < BK && tk < T_len && (key_valid == nullptr || key_valid[b * T_len + tk]);
+#pragma unroll
+    for (int w = 0; w < RW; ++w) {
+      const int rr = warp * RW + w;
+      if (row0 + rr >= n_rows) break;  // warp-uniform
+      float s = -INFINITY;
+      if (key_ok) {
+        float dot = 0.f;
+        for (int i = 0; i < d; ++i) dot += qs[rr][i] * ks[lane][i];
+        s = dot * scale;
+      }
+      const float m_new = fmaxf(st[w].m, warp_max_f(s));
+      const float corr = math::softmax_rescale(st[w].m, m_new);
+      const float p = math::softmax_weight(s, m_new);
+      st[w].l = st[w].l * corr + warp_sum(p);
+      st[w].m = m_new;
+#pragma unroll
+      for (int c = 0; c < DCH; ++c) acc[w][c] *= corr;
+      for (int kk = 0; kk < BK; ++kk) {
+        const float pk_ = __shfl_sync(kFullMask, p, kk);
+#pragma unroll
+        for (int c = 0; c < DCH; ++c) {
+          const int i = lane + c * kWarp;
+          if (i < d) acc[w][c] += pk_ * vs[kk][i];
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int w = 0; w < RW; ++w) {
+    const int r = row0 + warp * RW + w;
+    if (r >= n_rows) break;
+    const int64_t o = (b * Q + r / G) * H + kvh * G + r % G;
+    const float inv = math::softmax_inv_sum(st[w].l);
+#pragma unroll
+    for (int c = 0; c < DCH; ++c) {
+      const int i = lane + c * kWarp;
+      if (i < d) out[o * d + i] = from_float<T>(acc[w][c] * inv);
+    }
+  }
+}
+
+template <typename T, int DCH>
+void launch_quant_attention_d(const T* q, PackedK<T> pk, PackedV<T> pv, const bool* key_valid,
+                              float scale, T* out, int* status, int B, int Q, int H, int H_kv,
+                              int T_len, int d, stream_t stream) {
+  using Tile = QAttnTile<DCH>;
+  const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
+  const dim3 grid(static_cast<unsigned>((rows + Tile::kRows - 1) / Tile::kRows),
+                  static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
+  const auto kernel = quant_attention_kernel<T, DCH>;  // a template-id with a comma is no macro arg
+  DLLM_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, q, pk, pv, key_valid, scale, out, status, Q,
+              H, H_kv, T_len, d);
+}
+
+// out [B, Q, H, d]. Requires 0 < d <= 256, H % H_kv == 0, T_len > 0, all
+// tensors contiguous.
+template <typename T>
+void launch_quant_attention(const T* q, PackedK<T> pk, PackedV<T> pv, const bool* key_valid,
+                            float scale, T* out, int* status, int B, int Q, int H, int H_kv,
+                            int T_len, int d, stream_t stream) {
+  if (B == 0 || Q == 0 || H == 0) return;
+  if (d <= 64)
+    launch_quant_attention_d<T, 2>(q, pk, pv, key_valid, scale, out, status, B, Q, H, H_kv, T_len,
+                                   d, stream);
+  else if (d <= 128)
+    launch_quant_attention_d<T, 4>(q, pk, pv, key_valid, scale, out, status, B, Q, H, H_kv, T_len,
+                                   d, stream);
+  else
+    launch_quant_attention_d<T, 8>(q, pk, pv, key_valid, scale, out, status, B, Q, H, H_kv, T_len,
+                                   d, stream);
+}
+
+}  // namespace quant
+}  // namespace cuda
+}  // namespace dllm
