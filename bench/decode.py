@@ -86,12 +86,14 @@ def cmd_decode(args) -> int:
         ids = torch.randint(0, c.vocab_size, (args.prompt_length,), generator=g).tolist()
         prompts.append([t if t not in special else 5 for t in ids])
     kw = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps or args.gen_length,
-              unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed)
+              unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed,
+              max_blocks=args.max_blocks)
     if c.arch == "dream":
         kw["alg"] = "confidence_threshold" if args.unmask == "threshold" else "entropy"
     print(f"model={label} dtype={args.dtype} threads={torch.get_num_threads()} batch={args.batch} "
           f"prompt={args.prompt_length} gen={args.gen_length} block={args.block_length} unmask={args.unmask}"
-          f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}")
+          f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}"
+          f"{f' (first {args.max_blocks} block(s) only)' if args.max_blocks else ''}")
     rows, base = [], None
     for cache in args.caches:
         t0 = time.perf_counter()
@@ -146,6 +148,8 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--unmask", default="threshold", choices=["topk", "threshold", "factor"])
     p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--max-blocks", type=int, default=None,
+                   help="decode only the first N blocks (cost measurements on slow machines)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

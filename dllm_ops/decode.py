@@ -166,7 +166,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
              unmask: str = "topk", threshold: float = 0.9, factor: float = 1.0,
              temperature: float = 0.0, remasking: str = "low_confidence", cache: str = "none",
              alg: str | None = None, suppress_eos: bool = False, stop_at_eos: bool = True,
-             seed: int = 0, policy: Policy | None = None) -> GenerateOutput:
+             seed: int = 0, policy: Policy | None = None,
+             max_blocks: int | None = None) -> GenerateOutput:
     """Decode `gen_length` tokens after each prompt.
 
     Args:
@@ -188,6 +189,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             before it) stops running; its remaining masks are filled with EOS
             and counted in ``stats["eos_filled"]``.
         seed: seeds the Gumbel noise and random remasking.
+        max_blocks: benchmark knob: decode only the first blocks. The rest of
+            the region stays masked and ``stats["blocks_decoded"]`` says so.
     """
     c = model.config
     ids, tok = _as_prompt_ids(model, tokenizer_or_ids, prompt, messages)
@@ -228,7 +231,9 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     eos_filled = torch.zeros(B, dtype=torch.long)
     t0 = time.perf_counter()
 
-    for blk in range(num_blocks):
+    blocks_decoded = 0
+    for blk in range(num_blocks if max_blocks is None else min(num_blocks, max_blocks)):
+        blocks_decoded += 1
         state.block_start = L + blk * block_length
         state.block_end = state.block_start + block_length
         state.step = 0
@@ -255,12 +260,13 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     for r in range(B):
         row = tokens[r].tolist()
         sequences.append(row[: row.index(c.eos_id)] if c.eos_id in row else row)
-    n_gen = sum(len(s) for s in sequences)
+    n_gen = sum(sum(1 for t in s if t != c.mask_id) for s in sequences)  # masks: max_blocks runs
     stats = dict(nfe=state.nfe, wall_s=wall, generated_tokens=n_gen,
                  tokens_per_s=n_gen / wall if wall > 0 else float("nan"),
                  tokens_recomputed=sum(state.recomputed) * c.n_layers,
                  recomputed_per_step=list(state.recomputed), n_layers=c.n_layers,
-                 model_flops=flops, eos_filled=eos_filled.tolist(), cache=policy.name)
+                 model_flops=flops, eos_filled=eos_filled.tolist(), cache=policy.name,
+                 blocks_decoded=blocks_decoded, blocks=num_blocks)
     text = [tok.decode(s) for s in sequences] if tok is not None else None
     return GenerateOutput(tokens=tokens, sequences=sequences, text=text, stats=stats)
 

@@ -250,20 +250,19 @@ DLLM_CPU_CLONES void transpose_blocked(const E* __restrict__ src, int64_t rows, 
 }
 
 // probs_acc[qi, t] (+)= sum over the G heads of query qi of P[qi*G + g, t],
-// read from the fp32 weights (before any rounding to the gemm dtype).
-DLLM_CPU_CLONES void accumulate_head_probs(const float* __restrict__ st,
-                                           const float* __restrict__ inv, int64_t T, int64_t Qt,
+// from the fp32 probabilities pf [M, T] (before any rounding to the gemm dtype).
+DLLM_CPU_CLONES void accumulate_head_probs(const float* __restrict__ pf, int64_t T, int64_t Qt,
                                            int64_t G, bool first, float* __restrict__ acc,
                                            int64_t acc_stride) {
-  const int64_t M = Qt * G;
   for (int64_t qi = 0; qi < Qt; ++qi) {
-    float* out = acc + qi * acc_stride;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = st + t * M + qi * G;
-      float s = 0.f;
-      for (int64_t g = 0; g < G; ++g) s += row[g] * inv[qi * G + g];
-      out[t] = first ? s : out[t] + s;
-    }
+    float* __restrict__ out = acc + qi * acc_stride;
+    const float* rows = pf + qi * G * T;
+    if (first)
+      for (int64_t t = 0; t < T; ++t) out[t] = rows[t];
+    else
+      for (int64_t t = 0; t < T; ++t) out[t] += rows[t];
+    for (int64_t g = 1; g < G; ++g)
+      for (int64_t t = 0; t < T; ++t) out[t] += rows[g * T + t];
   }
 }
 
@@ -297,9 +296,10 @@ struct AttnShape {
 template <typename T_>
 struct AttnScratch {
   std::vector<T_> q_rows, qt, p;  // q_rows: the tile's query rows, [M, d]
-  std::vector<float> st, o, mx, sum, inv;
-  AttnScratch(int64_t M, int64_t T, int64_t d)
-      : q_rows(M * d), qt(d * M), p(M * T), st(T * M), o(M * d), mx(M), sum(M), inv(M) {}
+  std::vector<float> st, pf, o, mx, sum, inv;  // pf: fp32 P, only with probabilities
+  AttnScratch(int64_t M, int64_t T, int64_t d, bool with_probs)
+      : q_rows(M * d), qt(d * M), p(M * T), st(T * M), pf(with_probs ? M * T : 0), o(M * d),
+        mx(M), sum(M), inv(M) {}
 };
 
 // One (b, kv head, query tile) unit: writes out rows, and (optionally) adds
@@ -323,10 +323,20 @@ void attend_tile(const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t
   column_max(w.st.data(), valid, T, M, scale, w.mx.data());
   column_exp_sum(w.st.data(), valid, T, M, scale, w.mx.data(), w.sum.data());
   for (int64_t r = 0; r < M; ++r) w.inv[r] = m::softmax_inv_sum(w.sum[r]);
-  if (probs_acc)
-    accumulate_head_probs(w.st.data(), w.inv.data(), T, Qt, G, first_head, probs_acc, T);
-  normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data());
-  gemm_f32acc<T_>(M, d, T, w.p.data(), T, V, d, w.o.data(), d);
+  const T_* p = w.p.data();
+  if (probs_acc) {
+    // Stage P in fp32 so the head sums see unrounded probabilities.
+    normalize_transpose(w.st.data(), w.inv.data(), T, M, w.pf.data());
+    accumulate_head_probs(w.pf.data(), T, Qt, G, first_head, probs_acc, T);
+    if constexpr (std::is_same_v<T_, float>) {
+      p = w.pf.data();
+    } else {
+      store_floats(w.pf.data(), M * T, w.p.data());
+    }
+  } else {
+    normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data());
+  }
+  gemm_f32acc<T_>(M, d, T, p, T, V, d, w.o.data(), d);
   for (int64_t qi = 0; qi < Qt; ++qi)  // the G heads of a query are adjacent in out
     store_floats(w.o.data() + qi * G * d, G * d, out + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d);
 }
@@ -357,7 +367,7 @@ void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, cons
   if (!probs) {
     // Independent units over (b, kv head, tile).
     at::parallel_for(0, s.B * s.H_kv * n_tiles, 1, [&](int64_t begin, int64_t end) {
-      AttnScratch<T_> w(M, s.T, s.d);
+      AttnScratch<T_> w(M, s.T, s.d, probs != nullptr);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t tile = u % n_tiles, kvh = (u / n_tiles) % s.H_kv, b = u / (n_tiles * s.H_kv);
         const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
@@ -388,7 +398,7 @@ void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, cons
     part = partial.data_ptr<float>();
   }
   at::parallel_for(0, units_bt * n_groups, 1, [&](int64_t begin, int64_t end) {
-    AttnScratch<T_> w(M, s.T, s.d);
+    AttnScratch<T_> w(M, s.T, s.d, probs != nullptr);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t grp = u % n_groups, tile = (u / n_groups) % n_tiles, b = u / (n_groups * n_tiles);
       const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
