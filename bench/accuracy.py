@@ -185,21 +185,30 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor, eos: int) -> tuple[float
     return sum(tok) / len(tok), sum(seq) / len(seq)
 
 
-COLUMNS = [("task", "{:<8}"), ("cache", "{:<7}"), ("rule", "{:<8}"), ("accuracy", "{:>8.1%}"),
-           ("nfe", "{:>7.1f}"), ("tokens_per_s", "{:>9.0f}"), ("agree_tok", "{:>9.1%}"),
-           ("agree_seq", "{:>9.1%}")]
+COLUMNS = [("task", "task", 8), ("cache", "cache", 7), ("rule", "rule", 8), ("accuracy", "accuracy", 8),
+           ("nfe", "nfe", 6), ("tokens_per_s", "tok/s", 8), ("agree_tok", "agree_tok", 9),
+           ("agree_seq", "agree_seq", 9)]
+
+
+def _cell(key, value, width):
+    if isinstance(value, str):
+        return f"{value:<{width}}"
+    if key in ("accuracy", "agree_tok", "agree_seq"):
+        return f"{value:>{width}.1%}"
+    return f"{value:>{width}.1f}" if key == "nfe" else f"{value:>{width}.0f}"
 
 
 def format_table(rows: list[dict]) -> str:
-    head = " ".join(f"{'tok/s' if k == 'tokens_per_s' else k:>{len(f.format(rows[0][k]))}}"
-                    if not f.startswith("{:<") else f"{k:<{int(f[3:-2])}}" for k, f in COLUMNS)
+    """The rows as an aligned text table, a blank line between tasks."""
+    head = " ".join(f"{title:<{w}}" if key in ("task", "cache", "rule") else f"{title:>{w}}"
+                    for key, title, w in COLUMNS)
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
         if last is not None and r["task"] != last:
             lines.append("")
         last = r["task"]
-        lines.append(" ".join(f.format(r[k]) for k, f in COLUMNS))
+        lines.append(" ".join(_cell(key, r[key], w) for key, _, w in COLUMNS))
     return "\n".join(lines)
 
 

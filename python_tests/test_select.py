@@ -47,7 +47,11 @@ def confidence_inputs(dtype, seed=0, big=True):
     x[2, 3] = x[2, 4] = x[2, 5] = 9
     x[3] = torch.round(x[3])
     x[4, 100] = x[4, 7] = x[4, 299] = 12
+    x[5, 130] = x[5, 5] = 15  # the lower index in the higher CUDA thread (130 % 128 = 2 < 5)
     yield x, None, "ties"
+    x = rnd(2, 5000)
+    x[:, 600] = x[:, 100] = 30  # the same with 512 threads (600 % 512 = 88 < 100)
+    yield x, None, "ties-wide"
     # -inf entries, a single finite logit, and a tie between two finite ones.
     x = rnd(4, 129)
     x[0, ::3] = NEG_INF

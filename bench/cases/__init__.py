@@ -3,3 +3,4 @@ from .registry import CASES, Case, register  # noqa: F401
 from . import select  # noqa: F401
 from . import rollout  # noqa: F401
 from . import sparse_kv  # noqa: F401
+from . import quant  # noqa: F401

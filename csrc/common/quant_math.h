@@ -8,7 +8,8 @@
 //           the cache dtype: that stored scale s and the stored min m (exact,
 //           an input value) are what every later step uses;
 //   code    clamp(round_half_even((x - m) / s), 0, 2^b - 1) in fp32, and 0 when
-//           s == 0 (max == min, or a range so small that s underflows);
+//           s == 0 (max == min, or a range so small that s underflows); x >= m
+//           always holds for a quantized element;
 //   dequant round_to_dtype(fl(fl(code * s) + m)): one rounded multiply, one
 //           rounded add, never a fused multiply-add, so a CPU with FMA, nvcc
 //           (which contracts a*b+c by default) and torch's two eager ops agree.
@@ -79,9 +80,11 @@ struct QuantRange {
 
 DLLM_HD QuantRange range_empty() { return QuantRange{INFINITY, -INFINITY}; }
 
+// Plain compares rather than fminf/fmaxf (whose NaN rules block vectorization
+// on the CPU); inputs are finite by contract (non-finite ones are reported).
 DLLM_HD void range_add(QuantRange& r, float x) {
-  r.mn = fminf(r.mn, x);
-  r.mx = fmaxf(r.mx, x);
+  r.mn = x < r.mn ? x : r.mn;
+  r.mx = x > r.mx ? x : r.mx;
 }
 
 DLLM_HD QuantRange range_merge(QuantRange a, const QuantRange& b) {
@@ -101,11 +104,28 @@ DLLM_HD float range_scale(const QuantRange& r, int bits) {
 }
 
 // ---- codes -------------------------------------------------------------------
-// scale and mn are the stored (rounded) values widened to fp32.
+// Round half to even of v in [0, 2^22): adding 1.5 * 2^23 leaves no fraction
+// bits, so the fp32 addition itself rounds (to nearest, ties to even), and the
+// subtraction is exact. Plain adds, so it vectorizes on any CPU (rintf is a
+// libm call without SSE4.1) and is exact on the GPU too. A larger v gives a
+// value >= 2^22 - 1, which the clamp in quant_code maps to the top code just
+// as it would the exactly rounded value.
+constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23
+
+DLLM_HD float round_half_even_small(float v) { return (v + kRoundMagic) - kRoundMagic; }
+
+// scale and mn are the stored (rounded) values widened to fp32; x >= mn for
+// every quantized element. Written with selects only, in an order GCC does not
+// turn back into branches, so the CPU loops vectorize: with scale == 0 the
+// quotient is NaN or inf, the clamps map it into [0, top] (NaN fails the
+// first compare) and the final select drops it.
 DLLM_HD uint32_t quant_code(float x, float scale, float mn, int bits) {
-  if (!(scale > 0.f)) return 0u;
-  const float v = rintf((x - mn) / scale);  // rintf: round half to even
-  return static_cast<uint32_t>(fminf(fmaxf(v, 0.f), static_cast<float>(quant_levels(bits))));
+  const float top = static_cast<float>(quant_levels(bits));
+  float v = round_half_even_small((x - mn) / scale);
+  v = v > 0.f ? v : 0.f;
+  v = v < top ? v : top;
+  const int q = static_cast<int>(v);  // via int: no unsigned conversion on x86 SSE
+  return static_cast<uint32_t>(scale > 0.f ? q : 0);
 }
 
 // code * scale + mn in fp32 (to be rounded to the cache dtype by the caller).

@@ -79,22 +79,30 @@ template <typename T>
 void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t* slot_of,
                     T* scale_out, T* min_out, float* sf, float* mf, int& status) {
   const int64_t d = s.d;
-  m::QuantRange r[m::kQuantMaxHeadDim];
-  for (int64_t c = 0; c < d; ++c) r[c] = m::range_empty();
-  bool finite = true;
+  // Struct-of-arrays running min / max, and one loop per kind of token, so
+  // the channel loops vectorize.
+  float lo[m::kQuantMaxHeadDim], hi[m::kQuantMaxHeadDim];
+  std::fill_n(lo, d, INFINITY);
+  std::fill_n(hi, d, -INFINITY);
+  int bad = 0;
   for (int j = 0; j < n_real; ++j) {
     const T* row = x + j * d;
-    const bool quantized = slot_of == nullptr || slot_of[j] == m::kProtUnused;
-    for (int64_t c = 0; c < d; ++c) {
-      const float v = widen(row[c]);
-      finite &= m::is_finite(v);
-      if (quantized) m::range_add(r[c], v);
+    if (slot_of == nullptr || slot_of[j] == m::kProtUnused) {
+      for (int64_t c = 0; c < d; ++c) {
+        const float v = widen(row[c]);
+        bad |= !m::is_finite(v);
+        lo[c] = v < lo[c] ? v : lo[c];
+        hi[c] = v > hi[c] ? v : hi[c];
+      }
+    } else {
+      for (int64_t c = 0; c < d; ++c) bad |= !m::is_finite(widen(row[c]));
     }
   }
-  if (!finite) status |= m::kQuantNonFinite;
+  if (bad) status |= m::kQuantNonFinite;
   for (int64_t c = 0; c < d; ++c) {
-    const T st = narrow<T>(m::range_scale(r[c], static_cast<int>(s.bits)));
-    const T mt = narrow<T>(m::range_min(r[c]));
+    const m::QuantRange r{lo[c], hi[c]};
+    const T st = narrow<T>(m::range_scale(r, static_cast<int>(s.bits)));
+    const T mt = narrow<T>(m::range_min(r));
     if (scale_out) scale_out[c] = st, min_out[c] = mt;
     sf[c] = widen(st);
     mf[c] = widen(mt);
@@ -133,10 +141,9 @@ void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, int64
         if (slot_of[j] != m::kProtUnused) continue;
         const T* row = x + j * d;
         uint8_t* orow = out + (j / n) * d;
-        const int slot = j % n;
+        const int shift = bits * (j % n);
         for (int64_t c = 0; c < d; ++c)
-          orow[c] |= static_cast<uint8_t>(
-              m::pack_code(m::quant_code(widen(row[c]), sf[c], mf[c], bits), slot, bits));
+          orow[c] |= static_cast<uint8_t>(m::quant_code(widen(row[c]), sf[c], mf[c], bits) << shift);
       }
       for (int sl = 0; sl < p; ++sl) {
         prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
@@ -184,6 +191,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {codes, scale, mn, prot_idx, prot_val};
 }
 
+// Dequantization goes through a per-(group, channel) table of the 2^bits
+// possible values, each computed with the shared formula (so the result is
+// the same bits), which makes the per-element work a table lookup.
+constexpr int kMaxCodes = 16;
+
 // Dequantized K rows of one group into out (row stride d), protected tokens
 // from prot_val. Returns false (writing nothing) when the group's prot_idx
 // entries are invalid.
@@ -192,13 +204,18 @@ bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t*
                      const T* scale, const T* mn, const uint8_t* prot_idx, const T* prot_val,
                      O* out) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
-  const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
+  const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits), n_codes = 1 << bits;
+  const uint32_t mask = static_cast<uint32_t>(m::quant_levels(bits));
   const int64_t d = s.d, u = bh * s.n_groups + g;
   const int n_real = m::group_tokens(s.T, G, g);
   const uint8_t* pidx = prot_idx + u * p;
   if (!m::prot_group_valid(pidx, p, n_real)) return false;
-  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
-  for (int64_t c = 0; c < d; ++c) sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
+  O lut[m::kQuantMaxHeadDim * kMaxCodes];  // lut[c * 16 + code]
+  for (int64_t c = 0; c < d; ++c) {
+    const float sf = widen(scale[u * d + c]), mf = widen(mn[u * d + c]);
+    for (int code = 0; code < n_codes; ++code)
+      lut[c * kMaxCodes + code] = static_cast<O>(narrow<T>(m::dequant_value(code, sf, mf)));
+  }
   const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
   for (int j = 0; j < n_real; ++j) {
     O* o = out + j * d;
@@ -209,9 +226,8 @@ bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t*
       continue;
     }
     const uint8_t* crow = crow0 + (j / n) * d;
-    const int sub = j % n;
-    for (int64_t c = 0; c < d; ++c)
-      o[c] = static_cast<O>(narrow<T>(m::dequant_value(m::unpack_code(crow[c], sub, bits), sf[c], mf[c])));
+    const int shift = bits * (j % n);
+    for (int64_t c = 0; c < d; ++c) o[c] = lut[c * kMaxCodes + ((crow[c] >> shift) & mask)];
   }
   return true;
 }
@@ -343,17 +359,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
   return {codes, scale, mn};
 }
 
-// One dequantized V row (d values) into out.
+// One dequantized V row (d values) into out, through a table per group.
 template <typename T, typename O>
 void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn, O* out) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
-  const int n = m::codes_per_byte(bits);
+  const int n = m::codes_per_byte(bits), n_codes = 1 << bits;
+  const uint32_t mask = static_cast<uint32_t>(m::quant_levels(bits));
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
     const float sf = widen(scale[grp]), mf = widen(mn[grp]);
+    O lut[kMaxCodes];
+    for (int code = 0; code < n_codes; ++code)
+      lut[code] = static_cast<O>(narrow<T>(m::dequant_value(code, sf, mf)));
     const uint8_t* cg = codes + grp * (G / n);
     O* o = out + grp * G;
-    for (int c = 0; c < G; ++c)
-      o[c] = static_cast<O>(narrow<T>(m::dequant_value(m::unpack_code(cg[c / n], c % n, bits), sf, mf)));
+    for (int rb = 0; rb < G / n; ++rb) {
+      const uint32_t byte = cg[rb];
+      for (int jj = 0; jj < n; ++jj) o[rb * n + jj] = lut[(byte >> (bits * jj)) & mask];
+    }
   }
 }
 

@@ -199,6 +199,10 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits
   return {token, score};
 }
 
+// Per-task work for the small selection ops, in elements: below ~64K a
+// fork/join of the thread pool costs more than the work it splits.
+constexpr int64_t kRowsPerTaskElems = 65536;
+
 // ============================================================================
 // select_transfer
 // ============================================================================
@@ -206,34 +210,35 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits
 // nth_element (O(L)), factor a sort (it needs every rank), threshold only the
 // minimum key.
 
+// Loops over random candidate masks are written without data-dependent
+// branches (a mispredict per element would cost more than the work).
 template <typename T>
 int select_transfer_row(const T* s, const bool* c, int64_t L, int rule, int64_t k,
                         double threshold, double factor, bool* out,
                         std::vector<uint64_t>& keys) {
-  keys.clear();
-  int flags = 0;
+  keys.resize(L);
+  int64_t n = 0;
+  bool nan = false;
   for (int64_t i = 0; i < L; ++i) {
-    out[i] = false;
-    if (!c[i]) continue;
     const float v = static_cast<float>(s[i]);
-    if (v != v) flags |= kTransferNaN;
-    keys.push_back(math::descending_key(v, static_cast<int32_t>(i)));
+    nan |= c[i] & (v != v);
+    keys[n] = math::descending_key(v, static_cast<int32_t>(i));
+    n += c[i];
+    out[i] = false;
   }
-  if (flags) return flags;
-  const int64_t n = static_cast<int64_t>(keys.size());
+  if (nan) return kTransferNaN;
+  const auto first = keys.begin(), last = keys.begin() + n;
   if (rule == math::kRuleTopk) {
     if (k < 0 || k > n) return kTransferBadK;
-    if (k > 0 && k < n) std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end());
+    if (k > 0 && k < n) std::nth_element(first, first + (k - 1), last);
     for (int64_t j = 0; j < k; ++j) out[math::key_index(keys[j])] = true;
   } else if (rule == math::kRuleThreshold) {
     if (n == 0) return 0;
-    out[math::key_index(*std::min_element(keys.begin(), keys.end()))] = true;
-    for (uint64_t key : keys) {
-      const int32_t i = math::key_index(key);
-      if (static_cast<double>(static_cast<float>(s[i])) >= threshold) out[i] = true;
-    }
+    for (int64_t i = 0; i < L; ++i)
+      out[i] = c[i] & (static_cast<double>(static_cast<float>(s[i])) >= threshold);
+    out[math::key_index(*std::min_element(first, last))] = true;
   } else {
-    std::sort(keys.begin(), keys.end());
+    std::sort(first, last);
     int64_t t = n;
     for (int64_t r = 0; r < n; ++r) {
       const double v = static_cast<float>(s[math::key_index(keys[r])]);
@@ -265,9 +270,10 @@ at::Tensor select_transfer_cpu(const at::Tensor& score, const at::Tensor& candid
     const bool* pc = cc.const_data_ptr<bool>();
     const int64_t* pk = k ? kc.const_data_ptr<int64_t>() : nullptr;
     bool* po = out.mutable_data_ptr<bool>();
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    // Small batches stay on one thread: a fork/join costs more than a row.
+    at::parallel_for(0, B, std::max<int64_t>(1, kRowsPerTaskElems / std::max<int64_t>(L, 1)),
+                     [&](int64_t begin, int64_t end) {
       std::vector<uint64_t> keys;
-      keys.reserve(L);
       for (int64_t b = begin; b < end; ++b) {
         const int f = select_transfer_row(ps + b * L, pc + b * L, L, rule, pk ? pk[b] : 0,
                                           threshold, factor, po + b * L, keys);
@@ -297,7 +303,8 @@ at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool l
   const double inv_z = 1.0 / math::density_normaliser(G, sigma);
   const bool* pd = dc.const_data_ptr<bool>();
   float* po = out.mutable_data_ptr<float>();
-  at::parallel_for(0, B * G, std::max<int64_t>(1, 4096 / (2 * W + 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * G, std::max<int64_t>(1, 8 * kRowsPerTaskElems / (2 * W + 1)),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
       const int64_t b = e / G, i = e % G;
       const bool* row = pd + b * G;
@@ -316,36 +323,44 @@ at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool l
 
 // One row: marks reuse, writes the ascending recompute ids (-1 padded) and
 // returns the real recompute count, or -1 on a NaN drift in the region.
+// Branch-free over the (random) region mask; `slots` is T_len scratch ids.
 template <typename T>
 int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_fraction,
                          double reuse_fraction, double threshold, int64_t max_recompute,
-                         bool* reuse, int32_t* idx, std::vector<uint64_t>& keys) {
-  keys.clear();
-  for (int64_t i = 0; i < T_len; ++i) {
-    reuse[i] = false;
-    if (!region[i]) continue;
-    const float v = static_cast<float>(d[i]);
-    if (v != v) return -1;
-    if (by_fraction) {
-      keys.push_back(math::ascending_key(v, static_cast<int32_t>(i)));
-    } else {
-      reuse[i] = !(static_cast<double>(v) >= threshold);
-    }
-  }
+                         bool* reuse, int32_t* idx, std::vector<uint64_t>& keys,
+                         std::vector<int32_t>& slots) {
+  bool nan = false;
   if (by_fraction) {
-    const int64_t n = static_cast<int64_t>(keys.size());
+    keys.resize(T_len);
+    int64_t n = 0;
+    for (int64_t i = 0; i < T_len; ++i) {
+      const float v = static_cast<float>(d[i]);
+      nan |= region[i] & (v != v);
+      keys[n] = math::ascending_key(v, static_cast<int32_t>(i));
+      n += region[i];
+      reuse[i] = false;
+    }
+    if (nan) return -1;
     const int64_t r = math::drift_reuse_count(reuse_fraction, n);
-    if (r > 0 && r < n) std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end());
+    if (r > 0 && r < n) std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.begin() + n);
     for (int64_t j = 0; j < r; ++j) reuse[math::key_index(keys[j])] = true;
+  } else {
+    for (int64_t i = 0; i < T_len; ++i) {
+      const float v = static_cast<float>(d[i]);
+      nan |= region[i] & (v != v);
+      reuse[i] = region[i] & !(static_cast<double>(v) >= threshold);
+    }
+    if (nan) return -1;
   }
+  slots.resize(T_len + 1);
   int64_t count = 0;
   for (int64_t i = 0; i < T_len; ++i) {
-    if (region[i] && !reuse[i]) {
-      if (count < max_recompute) idx[count] = static_cast<int32_t>(i);
-      ++count;
-    }
+    slots[count] = static_cast<int32_t>(i);
+    count += region[i] & !reuse[i];
   }
-  for (int64_t p = count; p < max_recompute; ++p) idx[p] = -1;
+  const int64_t kept = std::min(count, max_recompute);
+  std::copy(slots.begin(), slots.begin() + kept, idx);
+  std::fill(idx + kept, idx + max_recompute, -1);
   return count;
 }
 
@@ -366,13 +381,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_impl(
     bool* pu = reuse.mutable_data_ptr<bool>();
     int32_t* pi = idx.mutable_data_ptr<int32_t>();
     int32_t* pc = count.mutable_data_ptr<int32_t>();
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B, std::max<int64_t>(1, kRowsPerTaskElems / std::max<int64_t>(T_len, 1)),
+                     [&](int64_t begin, int64_t end) {
       std::vector<uint64_t> keys;
-      if (by_fraction) keys.reserve(T_len);
+      std::vector<int32_t> slots;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t c = drift_select_row(pd + b * T_len, pr + b * T_len, T_len, by_fraction,
                                            reuse_fraction, threshold, max_recompute,
-                                           pu + b * T_len, pi + b * max_recompute, keys);
+                                           pu + b * T_len, pi + b * max_recompute, keys, slots);
         if (c < 0) {
           flags.fetch_or(kDriftNaN, std::memory_order_relaxed);
           pc[b] = 0;

@@ -20,6 +20,10 @@ constexpr int kVec = DLLM_VEC_FLOATS;
 constexpr int kPad = 2 * kVec;  // the sum loops take two vectors per step (two Kahan chains)
 typedef float vf __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
 typedef int32_t vi __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+// Doubles for the Gumbel path: half as many lanes, the same register width.
+constexpr int kVecD = kVec / 2;
+typedef double vd __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+typedef float vfh __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));  // kVecD floats
 
 inline vf vload(const float* p) {
   vf v;
@@ -157,10 +161,47 @@ inline void chunk_sums(const float* __restrict__ buf, int n, float m, float* r_o
   *s1_out = kMoments ? hsum(z0.value() + z1.value()) : 0.f;
 }
 
+// The Gumbel-max candidate of the chunk, folded into *na: per lane the first
+// max of y = x / T + g (math::gumbel_perturb, in double: the same IEEE
+// division and addition), then the lanes by (y, lower index). False on NaN
+// noise at a finite logit. `gbuf` holds the chunk's noise, padded with 0.
+inline bool chunk_noisy_argmax(const float* __restrict__ buf, const float* __restrict__ gbuf,
+                               int n, int64_t c0, double temperature, math::NoisyArgmax* na) {
+  const vd inf = vd{} + static_cast<double>(INFINITY);
+  const vd temp = vd{} + temperature;
+  vd idx;
+  for (int l = 0; l < kVecD; ++l) idx[l] = static_cast<double>(c0 + l);
+  // A lane whose y are all -inf reports its first element (y = -inf): a real
+  // element, so folding it in is consistent with "lowest index among ties".
+  vd best_y = -inf, best_i = idx, best_x = -inf, bad = vd{};
+  for (int i = 0; i < n; i += kVecD) {
+    vfh xh, gh;
+    std::memcpy(&xh, buf + i, sizeof(xh));
+    std::memcpy(&gh, gbuf + i, sizeof(gh));
+    const vd x = __builtin_convertvector(xh, vd);
+    const vd g = __builtin_convertvector(gh, vd);
+    const auto finite_x = x != -inf;
+    bad = (finite_x & (g != g)) ? inf : bad;
+    const vd y = finite_x ? x / temp + g : -inf;
+    const auto better = y > best_y;  // strict: the first max of each lane stays
+    best_y = better ? y : best_y;
+    best_i = better ? idx : best_i;
+    best_x = better ? x : best_x;
+    idx += static_cast<double>(kVecD);
+  }
+  for (int l = 0; l < kVecD; ++l)
+    if (bad[l] != 0) return false;
+  for (int l = 0; l < kVecD; ++l)
+    math::noisy_argmax_add(*na, best_y[l], static_cast<int32_t>(best_i[l]),
+                           static_cast<float>(best_x[l]));
+  return true;
+}
+
 template <typename T, int kMode, bool kNoisy>
 ConfRow confidence_pass(const T* __restrict__ x, int64_t V, const float* __restrict__ g,
                         double temperature, const SuppressList& sup) {
   alignas(64) float buf[kChunk + kPad];
+  alignas(64) float gbuf[kNoisy ? kChunk + kPad : 1];
   ConfRow row{math::softmax_top_empty(), math::noisy_argmax_empty()};
   math::SoftmaxTop& st = row.st;
   size_t spos = 0;
@@ -173,14 +214,11 @@ ConfRow confidence_pass(const T* __restrict__ x, int64_t V, const float* __restr
       return row;
     }
     if (kNoisy) {
-      for (int i = 0; i < n; ++i) {
-        const float gi = g[c0 + i];
-        if (buf[i] != -INFINITY && gi != gi) {
-          st.bad = 1;
-          return row;
-        }
-        math::noisy_argmax_add(row.na, math::gumbel_perturb(buf[i], gi, temperature),
-                               static_cast<int32_t>(c0 + i), buf[i]);
+      std::memcpy(gbuf, g + c0, sizeof(float) * n);
+      for (int i = n; i < padded; ++i) gbuf[i] = 0.f;
+      if (!chunk_noisy_argmax(buf, gbuf, padded, c0, temperature, &row.na)) {
+        st.bad = 1;
+        return row;
       }
     }
     // Only a new max needs its index: a tie with the running max lies at a

@@ -29,6 +29,23 @@ namespace {
 
 namespace m = dllm::math;
 
+// ---- element conversions, in plain integer ops so loops over them vectorize ----
+
+// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  const uint16_t rounded = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  return (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40u) : rounded;
+}
+
+static inline __attribute__((always_inline)) float bf16_bits_to_float(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
 // ============================================================================
 // rope_scatter_kv
 // ============================================================================
@@ -43,6 +60,7 @@ struct View4 {
   T* row(int64_t i0, int64_t i1, int64_t i2) const { return data + i0 * s0 + i1 * s1 + i2 * s2; }
 };
 
+// Any dtype, any strides: element by element through c10's conversions.
 template <typename T>
 void rotate_row(const T* src, T* dst, int64_t stride_src, int64_t stride_dst, const float* cos_a,
                 const float* sin_a, int64_t half) {
@@ -53,6 +71,41 @@ void rotate_row(const T* src, T* dst, int64_t stride_src, int64_t stride_dst, co
     dst[i * stride_dst] = static_cast<T>(r.lo);
     dst[(i + half) * stride_dst] = static_cast<T>(r.hi);
   }
+}
+
+// Contiguous head rows of fp32 / bf16, the common case: widened into fp32
+// staging rows first, so src == dst (q in place) is safe and both loops
+// vectorize. half <= kSparseKvMaxHeadDim / 2.
+DLLM_CPU_CLONES void rotate_row_contig(const float* src, float* dst, const float* __restrict__ cos_a,
+                                       const float* __restrict__ sin_a, int64_t half) {
+  float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
+  for (int64_t i = 0; i < half; ++i) lo[i] = src[i], hi[i] = src[i + half];
+  for (int64_t i = 0; i < half; ++i) {
+    const m::RotatedPair r = m::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
+    dst[i] = r.lo;
+    dst[i + half] = r.hi;
+  }
+}
+
+DLLM_CPU_CLONES void rotate_row_contig(const at::BFloat16* src_, at::BFloat16* dst_,
+                                       const float* __restrict__ cos_a,
+                                       const float* __restrict__ sin_a, int64_t half) {
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(src_);
+  uint16_t* dst = reinterpret_cast<uint16_t*>(dst_);
+  float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
+  for (int64_t i = 0; i < half; ++i)
+    lo[i] = bf16_bits_to_float(src[i]), hi[i] = bf16_bits_to_float(src[i + half]);
+  for (int64_t i = 0; i < half; ++i) {
+    const m::RotatedPair r = m::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
+    dst[i] = bf16_bits_rne(r.lo);
+    dst[i + half] = bf16_bits_rne(r.hi);
+  }
+}
+
+// fp16 keeps c10's conversions (no vectorized path; a rare cache dtype).
+void rotate_row_contig(const at::Half* src, at::Half* dst, const float* cos_a, const float* sin_a,
+                       int64_t half) {
+  rotate_row(src, dst, 1, 1, cos_a, sin_a, half);
 }
 
 void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -74,6 +127,15 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t half = d / 2;
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::rope_scatter_kv", [&] {
     const View4<scalar_t> qv(q), kv(k), vv(v), kc(k_cache), vc(v_cache);
+    const bool contig = qv.s3 == 1 && kv.s3 == 1 && kc.s3 == 1;
+    auto rotate = [&](const scalar_t* src, scalar_t* dst, int64_t ss, int64_t sd, const float* c,
+                      const float* s_) {
+      if (contig) {
+        rotate_row_contig(src, dst, c, s_, half);
+      } else {
+        rotate_row(src, dst, ss, sd, c, s_, half);
+      }
+    };
     at::parallel_for(0, B * Q, std::max<int64_t>(1, 4096 / ((H + 2 * H_kv) * d)),
                      [&](int64_t begin, int64_t end) {
       for (int64_t tok = begin; tok < end; ++tok) {
@@ -83,13 +145,17 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
         const float* sin_a = cos_a + half;
         for (int64_t h = 0; h < H; ++h) {
           scalar_t* row = qv.row(b, j, h);
-          rotate_row(row, row, qv.s3, qv.s3, cos_a, sin_a, half);
+          rotate(row, row, qv.s3, qv.s3, cos_a, sin_a);
         }
         for (int64_t h = 0; h < H_kv; ++h) {
-          rotate_row(kv.row(b, j, h), kc.row(b, h, slot), kv.s3, kc.s3, cos_a, sin_a, half);
+          rotate(kv.row(b, j, h), kc.row(b, h, slot), kv.s3, kc.s3, cos_a, sin_a);
           const scalar_t* src = vv.row(b, j, h);
           scalar_t* dst = vc.row(b, h, slot);
-          for (int64_t i = 0; i < d; ++i) dst[i * vc.s3] = src[i * vv.s3];
+          if (vv.s3 == 1 && vc.s3 == 1) {
+            std::memcpy(dst, src, d * sizeof(scalar_t));
+          } else {
+            for (int64_t i = 0; i < d; ++i) dst[i * vc.s3] = src[i * vv.s3];
+          }
         }
       }
     });
@@ -114,7 +180,8 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 // exp(x) for the softmax weights, written so the compiler vectorizes it:
 // Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-7 Taylor polynomial
-// (error < 6e-9 relative), 2^n through the exponent bits. Arguments are
+// (truncation error < 6e-9, so about 1 ulp of fp32 overall), 2^n through the
+// exponent bits. The device kernels use expf instead. Arguments are
 // clamped to [-87, 88] (exp(-87) = 1.6e-38: a weight that small is zero in
 // any sum with the row maximum, whose weight is 1).
 static inline __attribute__((always_inline)) float exp_poly(float x) {
@@ -164,15 +231,6 @@ DLLM_CPU_CLONES void column_exp_sum(float* __restrict__ st, const bool* __restri
       sum[r] += e;
     }
   }
-}
-
-// fp32 -> bf16 bits, round to nearest even, with plain integer ops so it
-// vectorizes. Correct for every finite value (the only ones that reach it:
-// probabilities and attention outputs of finite inputs).
-static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
 // Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype, in 16x16 blocks so
@@ -279,8 +337,10 @@ DLLM_CPU_CLONES void sum_parts(const float* __restrict__ parts, int64_t n_parts,
   for (int64_t i = 0; i < n; ++i) out[i] *= s;
 }
 
-// C [m, n] = A [m, k] . B [k, n], row-major, fp32 C. Goes to oneDNN (AMX /
-// AVX-512 where available) through ATen's exported BLAS entry point.
+// C [m, n] = A [m, k] . B [k, n], row-major, fp32 C. ATen's exported
+// cpublas::brgemm without VNNI packing hands this to ATen's BLAS gemm (MKL's
+// bf16/fp16 -> fp32 and sgemm kernels in the stock wheels, AMX or AVX-512
+// where the CPU has them); fp32 accumulation for every input dtype.
 template <typename T_>
 void gemm_f32acc(int64_t mm, int64_t nn, int64_t kk, const T_* a, int64_t lda, const T_* b,
                  int64_t ldb, float* c, int64_t ldc) {

@@ -1,8 +1,8 @@
 // ATen-free CUDA kernels of the `select` family.
 #pragma once
 
+#include "cuda/device_utils.cuh"  // first: brings the CUDA (or simulated) definitions
 #include "common/select_math.h"
-#include "cuda/device_utils.cuh"
 
 namespace dllm {
 namespace cuda {

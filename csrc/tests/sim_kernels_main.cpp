@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -375,9 +376,246 @@ static void test_sparse_kv_family() {
   test_gather_scatter_rows();
 }
 
+// ---- family: select (selection kernels) ------------------------------------
+
+// token_confidence against a double host loop (the same definitions as
+// dllm_ops.reference.token_confidence): ties, -inf entries and suppressed ids.
+template <typename T>
+static void test_token_confidence(const char* name, int rows, int V, int mode, bool noisy) {
+  std::mt19937 rng(rows * 7919 + V * 31 + mode * 3 + noisy);
+  std::normal_distribution<float> n01;
+  std::uniform_real_distribution<double> u01(1e-12, 1.0);
+  std::vector<T> x(size_t(rows) * V);
+  std::vector<float> g(noisy ? x.size() : 0);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = cast_from_float<T>(3.f * n01(rng));
+  for (auto& v : g) v = static_cast<float>(-std::log(-std::log(u01(rng))));
+  if (V > 4) {
+    // Row 0: the max three times; the lowest index sits in a higher thread
+    // than one of the others (id 600: thread 88 of 512; id 130: thread 2 of
+    // 128), so the block merge must break the tie by index, not by thread.
+    const float top = 40.f;
+    x[V - 1] = cast_from_float<T>(top);
+    x[std::min(V - 2, V > 2048 ? 600 : 130)] = cast_from_float<T>(top);
+    x[std::min(V - 3, V > 2048 ? 100 : 5)] = cast_from_float<T>(top);
+    if (rows > 1) x[size_t(V) + 1] = cast_from_float<T>(-INFINITY);  // a -inf logit
+  }
+  std::vector<int64_t> suppress;  // duplicates and id 0
+  if (V > 4) suppress = {int64_t(V / 2), 0, int64_t(V / 2)};
+  std::vector<unsigned> bits((V + 31) / 32, 0u);
+  int status = 0;
+  dllm::cuda::launch_suppress_bits(suppress.data(), int64_t(suppress.size()), V, bits.data(),
+                                   &status, nullptr);
+  std::vector<int64_t> token(rows, -7);
+  std::vector<float> score(rows, -7.f);
+  const double temperature = 0.7;
+  dllm::cuda::launch_token_confidence(x.data(), V, rows, V, mode, temperature,
+                                      noisy ? g.data() : nullptr, V, bits.data(), token.data(),
+                                      score.data(), &status, nullptr);
+  if (status != 0) {
+    std::fprintf(stderr, "FAIL %s: status %d\n", name, status);
+    ++g_failures;
+  }
+  for (int r = 0; r < rows; ++r) {
+    std::vector<double> xs(V);
+    for (int i = 0; i < V; ++i) xs[i] = dllm::cuda::to_float(x[size_t(r) * V + i]);
+    for (int64_t id : suppress) xs[id] = -INFINITY;
+    int i1 = 0;
+    for (int i = 1; i < V; ++i)
+      if (xs[i] > xs[i1]) i1 = i;
+    const double m = xs[i1];
+    double rest = 0, v2 = -INFINITY;
+    for (int i = 0; i < V; ++i)
+      if (i != i1) rest += std::exp(xs[i] - m), v2 = std::max(v2, xs[i]);
+    int tok = i1;
+    if (noisy) {
+      double best = -INFINITY;
+      tok = 0;
+      for (int i = 0; i < V; ++i) {
+        const double y = xs[i] == -INFINITY ? -INFINITY : xs[i] / temperature + g[size_t(r) * V + i];
+        if (y > best) best = y, tok = i;
+      }
+    }
+    double want;
+    if (mode == dllm::math::kConfProb) {
+      want = std::exp(xs[tok] - m) / (1 + rest);
+    } else if (mode == dllm::math::kConfMargin) {
+      want = -std::expm1(v2 - m) / (1 + rest);
+    } else {
+      want = 0;
+      for (int i = 0; i < V; ++i) {
+        if (xs[i] == -INFINITY) continue;
+        const double logp = (xs[i] - m) - std::log1p(rest), p = std::exp(logp);
+        if (p > 0) want += p * (logp + std::log1p(1e-10 / p));
+      }
+    }
+    if (token[r] != tok) {
+      std::fprintf(stderr, "FAIL %s[%d]: token %lld want %d\n", name, r, (long long)token[r], tok);
+      ++g_failures;
+    }
+    expect_close(score[r], want, 2e-6, name, r);
+  }
+}
+
+// select_transfer against a host sort by (score desc, index asc).
+template <typename T>
+static void test_select_transfer(const char* name, int B, int L, int rule, double factor) {
+  std::mt19937 rng(B * 131 + L * 7 + rule);
+  std::uniform_real_distribution<float> u01(0.f, 1.f);
+  std::vector<T> score(size_t(B) * L);
+  std::vector<uint8_t> cand_bytes(size_t(B) * L);
+  for (size_t i = 0; i < score.size(); ++i) {
+    score[i] = cast_from_float<T>(std::round(u01(rng) * 8.f) / 8.f);  // many ties
+    cand_bytes[i] = u01(rng) < 0.6f;
+  }
+  std::unique_ptr<bool[]> cand(new bool[score.size()]), out(new bool[score.size()]);
+  for (size_t i = 0; i < score.size(); ++i) cand[i] = cand_bytes[i];
+  std::vector<int64_t> k(B);
+  std::vector<int> n(B, 0);
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < L; ++i) n[b] += cand[size_t(b) * L + i];
+    k[b] = n[b] / 3;
+  }
+  std::vector<int32_t> ranks(score.size());
+  int status = 0;
+  const double threshold = 0.6;
+  dllm::cuda::launch_select_transfer(score.data(), cand.get(), B, L, rule, k.data(), threshold,
+                                     factor, out.get(), ranks.data(), &status, nullptr);
+  if (status != 0) {
+    std::fprintf(stderr, "FAIL %s: status %d\n", name, status);
+    ++g_failures;
+  }
+  for (int b = 0; b < B; ++b) {
+    std::vector<int> order;
+    for (int i = 0; i < L; ++i)
+      if (cand[size_t(b) * L + i]) order.push_back(i);
+    auto s = [&](int i) { return double(dllm::cuda::to_float(score[size_t(b) * L + i])); };
+    std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return s(a) > s(c); });
+    std::vector<char> want(L, 0);
+    int take = 0;
+    if (rule == dllm::math::kRuleTopk) take = int(k[b]);
+    if (rule == dllm::math::kRuleFactor && !order.empty()) {
+      int t = int(order.size());
+      for (int r = 0; r < int(order.size()); ++r)
+        if (s(order[r]) < (r == 0 ? -1.0 : 1.0 - factor / (r + 2))) {
+          t = r;
+          break;
+        }
+      const int N = int(order.size());
+      take = t >= N - 1 ? N : (t == 0 ? 1 : t);
+    }
+    for (int r = 0; r < take; ++r) want[order[r]] = 1;
+    if (rule == dllm::math::kRuleThreshold) {
+      for (int i : order) want[i] = s(i) >= threshold;
+      if (!order.empty()) want[order[0]] = 1;
+    }
+    for (int i = 0; i < L; ++i)
+      if (out[size_t(b) * L + i] != bool(want[i])) {
+        std::fprintf(stderr, "FAIL %s[row %d, pos %d]: got %d want %d\n", name, b, i,
+                     int(out[size_t(b) * L + i]), int(want[i]));
+        ++g_failures;
+        break;
+      }
+  }
+}
+
+// certainty_density against the full (unwindowed) double sum.
+static void test_certainty_density(const char* name, int B, int G, double sigma, bool left,
+                                   bool right) {
+  std::mt19937 rng(B * 17 + G);
+  std::unique_ptr<bool[]> d(new bool[size_t(B) * G]);
+  for (int i = 0; i < B * G; ++i) d[i] = rng() % 2;
+  std::vector<float> out(size_t(B) * G, -1.f);
+  dllm::cuda::launch_certainty_density(d.get(), B, G, sigma, left, right, out.data(), nullptr);
+  double z = 0;
+  for (int dd = -3 * G; dd < 3 * G; ++dd) z += std::exp(-double(dd) * dd / (2 * sigma * sigma));
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < G; ++i) {
+      double acc = 0;
+      for (int j = -G; j < 2 * G; ++j) {
+        const bool known = j < 0 ? left : (j >= G ? (right || d[size_t(b) * G + G - 1]) : d[size_t(b) * G + j]);
+        if (known) acc += std::exp(-double(i - j) * (i - j) / (2 * sigma * sigma));
+      }
+      if (!(std::fabs(out[size_t(b) * G + i] - acc / z) <= 1e-6)) {
+        std::fprintf(stderr, "FAIL %s[%d,%d]: got %.9g want %.9g\n", name, b, i,
+                     out[size_t(b) * G + i], acc / z);
+        ++g_failures;
+      }
+    }
+}
+
+// drift_select(_threshold) against a host sort by (drift asc, index asc).
+template <typename T>
+static void test_drift_select(const char* name, int B, int Tn, bool by_fraction, double param,
+                              int max_recompute) {
+  std::mt19937 rng(B * 101 + Tn + by_fraction);
+  std::uniform_real_distribution<float> u01(0.f, 1.f);
+  std::vector<T> drift(size_t(B) * Tn);
+  std::unique_ptr<bool[]> region(new bool[drift.size()]), reuse(new bool[drift.size()]);
+  for (size_t i = 0; i < drift.size(); ++i) {
+    drift[i] = cast_from_float<T>(std::round(u01(rng) * 6.f) / 6.f);
+    region[i] = u01(rng) < 0.8f;
+  }
+  std::vector<int32_t> idx(size_t(B) * max_recompute, -7), count(B, -7);
+  int status = 0;
+  dllm::cuda::launch_drift_select(drift.data(), region.get(), B, Tn, by_fraction, param,
+                                  max_recompute, reuse.get(), idx.data(), count.data(), &status,
+                                  nullptr);
+  for (int b = 0; b < B; ++b) {
+    auto d = [&](int i) { return double(dllm::cuda::to_float(drift[size_t(b) * Tn + i])); };
+    std::vector<int> order;
+    for (int i = 0; i < Tn; ++i)
+      if (region[size_t(b) * Tn + i]) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return d(a) < d(c); });
+    std::vector<char> want_reuse(Tn, 0);
+    if (by_fraction) {
+      const int keep = int(std::floor(param * double(order.size())));
+      for (int r = 0; r < keep; ++r) want_reuse[order[r]] = 1;
+    } else {
+      for (int i : order) want_reuse[i] = !(d(i) >= param);
+    }
+    std::vector<int32_t> want_idx;
+    for (int i = 0; i < Tn; ++i)
+      if (region[size_t(b) * Tn + i] && !want_reuse[i]) want_idx.push_back(i);
+    bool ok = count[b] == int32_t(want_idx.size());
+    for (int i = 0; i < Tn; ++i) ok = ok && reuse[size_t(b) * Tn + i] == bool(want_reuse[i]);
+    for (int p = 0; p < max_recompute; ++p)
+      ok = ok && idx[size_t(b) * max_recompute + p] == (p < int(want_idx.size()) ? want_idx[p] : -1);
+    if (!ok) {
+      std::fprintf(stderr, "FAIL %s[row %d]\n", name, b);
+      ++g_failures;
+    }
+    if ((count[b] > max_recompute) != bool(status & 2)) {
+      std::fprintf(stderr, "FAIL %s[row %d]: overflow status %d\n", name, b, status);
+      ++g_failures;
+    }
+  }
+}
+
+static void test_select_family() {
+  using namespace dllm::math;
+  for (int mode : {kConfProb, kConfMargin, kConfNegEntropy}) {
+    test_token_confidence<float>("token_confidence<float>", 3, 1000, mode, false);
+    test_token_confidence<__nv_bfloat16>("token_confidence<bf16> V=4099", 2, 4099, mode, false);
+    test_token_confidence<__half>("token_confidence<half> noisy", 2, 333, mode, true);
+  }
+  test_token_confidence<float>("token_confidence<float> V=1", 2, 1, kConfMargin, false);
+  for (int rule : {kRuleTopk, kRuleThreshold, kRuleFactor}) {
+    test_select_transfer<float>("select_transfer<float>", 3, 77, rule, 1.0);
+    test_select_transfer<__nv_bfloat16>("select_transfer<bf16> L=1500", 2, 1500, rule, 0.5);
+  }
+  test_certainty_density("certainty_density sigma=10", 2, 70, 10.0, true, false);
+  test_certainty_density("certainty_density sigma=0.7 right", 2, 33, 0.7, false, true);
+  test_certainty_density("certainty_density sigma=1e3", 1, 40, 1e3, true, false);
+  test_drift_select<float>("drift_select<float>", 3, 90, true, 0.6, 90);
+  test_drift_select<__half>("drift_select<half> T=1300", 1, 1300, true, 0.87, 1300);
+  test_drift_select<float>("drift_select_threshold<float>", 3, 90, false, 0.5, 90);
+  test_drift_select<__nv_bfloat16>("drift_select<bf16> overflow", 2, 50, true, 0.1, 5);
+}
+
 int main() {
   test_sparse_kv_family();
   test_rollout_family();
+  test_select_family();
   for (int D : {1, 7, 111, 1025}) {
     test_cosine_drift<float>("cosine_drift<float>", 3, D, 1e-5);
     test_cosine_drift<__half>("cosine_drift<half>", 2, D, 1e-4);

@@ -1,0 +1,149 @@
+"""Benchmarks of the `quant` family (dLLM-KVQ packed KV cache) at LLaDA-8B
+layer shapes: H_kv = 32 heads of d = 128, T = 512 prompt + 256 generated
+tokens, groups of 32.
+
+- quantize / dequantize of one layer's K or V: GB/s of the bytes read and
+  written (the %copy column compares them with the machine's copy bandwidth);
+  baseline: the pure-torch reference.
+- quant_attention of a Q = 32 block over the packed cache, against
+  sparse_attention over the unquantized bf16 cache in the same run. GB/s
+  counts the bytes quant_attention reads and writes; the label gives both
+  sides' bytes ("rd <quant> vs <bf16> MB": q, the caches, the output).
+"""
+import torch
+
+import dllm_ops
+from dllm_ops import reference
+from dllm_ops.quant import PackedK, PackedV
+
+from .registry import Case, register, tensor_bytes
+
+H, D, T, G, Q = 32, 128, 512 + 256, 32, 32
+
+
+def _cache(device, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, H, T, D, generator=g) * 2).to(device=device, dtype=dtype)
+
+
+def _importance(device):
+    return torch.rand(1, T, generator=torch.Generator().manual_seed(7)).to(device)
+
+
+# ---- quantize / dequantize ------------------------------------------------------------
+
+def _quantize_k_case(bits, p):
+    def make(device, dtype):
+        return _cache(device, dtype, 0), _importance(device) if p else None
+
+    def run(k, imp):
+        return dllm_ops.quantize_k(k, bits, G, p, imp)
+
+    def ref(k, imp):
+        return reference.quantize_k(k, bits, G, p, imp)
+
+    def nbytes(a):
+        k, imp = a
+        n = -(-T // G)
+        out = k.numel() * bits // 8 + 2 * H * n * D * k.element_size() + \
+            H * n * p * (1 + D * k.element_size())
+        return tensor_bytes(k, imp) + out
+
+    register(Case(op="quantize_k", shape=f"H{H}xT{T}xd{D} b{bits}p{p}", make=make, run=run,
+                  baselines={"reference": ref}, nbytes=nbytes, dtypes=(torch.bfloat16,)))
+
+
+def _dequantize_k_case(bits, p):
+    def make(device, dtype):
+        k = _cache(device, dtype, 0)
+        return (dllm_ops.quantize_k(k, bits, G, p, _importance(device) if p else None),)
+
+    def ref(pk):
+        return reference.dequantize_k(*pk.tensors(), pk.bits, pk.group, pk.length)
+
+    def nbytes(a):
+        pk = a[0]
+        return tensor_bytes(*pk.tensors()) + H * T * D * pk.scale.element_size()
+
+    register(Case(op="dequantize_k", shape=f"H{H}xT{T}xd{D} b{bits}p{p}", make=make,
+                  run=dllm_ops.dequantize_k, baselines={"reference": ref}, nbytes=nbytes,
+                  dtypes=(torch.bfloat16,)))
+
+
+def _quantize_v_case(bits):
+    def make(device, dtype):
+        return (_cache(device, dtype, 1),)
+
+    def nbytes(a):
+        v = a[0]
+        return tensor_bytes(v) + v.numel() * bits // 8 + 2 * H * T * (D // G) * v.element_size()
+
+    register(Case(op="quantize_v", shape=f"H{H}xT{T}xd{D} b{bits}", make=make,
+                  run=lambda v: dllm_ops.quantize_v(v, bits, G),
+                  baselines={"reference": lambda v: reference.quantize_v(v, bits, G)},
+                  nbytes=nbytes, dtypes=(torch.bfloat16,)))
+
+
+def _dequantize_v_case(bits):
+    def make(device, dtype):
+        return (dllm_ops.quantize_v(_cache(device, dtype, 1), bits, G),)
+
+    def nbytes(a):
+        pv = a[0]
+        return tensor_bytes(*pv.tensors()) + H * T * D * pv.scale.element_size()
+
+    register(Case(op="dequantize_v", shape=f"H{H}xT{T}xd{D} b{bits}", make=make,
+                  run=dllm_ops.dequantize_v,
+                  baselines={"reference": lambda pv: reference.dequantize_v(*pv.tensors(), pv.bits,
+                                                                           pv.group)},
+                  nbytes=nbytes, dtypes=(torch.bfloat16,)))
+
+
+for _bits in (4, 2):
+    for _p in (0, 2):
+        _quantize_k_case(_bits, _p)
+        _dequantize_k_case(_bits, _p)
+    _quantize_v_case(_bits)
+    _dequantize_v_case(_bits)
+
+
+# ---- quant_attention ---------------------------------------------------------------------
+
+def _attention_case(k_bits, v_bits, p):
+    def make(device, dtype):
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, Q, H, D, generator=g).to(device=device, dtype=dtype)
+        k, v = _cache(device, dtype, 0), _cache(device, dtype, 1)
+        pk = dllm_ops.quantize_k(k, k_bits, G, p, _importance(device) if p else None)
+        pv = dllm_ops.quantize_v(v, v_bits, G)
+        return q, pk, pv, k, v
+
+    def run(q, pk, pv, k, v):
+        return dllm_ops.quant_attention(q, pk, pv, None, D ** -0.5)
+
+    def sparse_bf16(q, pk, pv, k, v):
+        return dllm_ops.sparse_attention(q, k, v, None, D ** -0.5, False)
+
+    def ref(q, pk, pv, k, v):
+        return reference.quant_attention(q, *pk.tensors(), pk.bits, pk.group, *pv.tensors(),
+                                         pv.bits, pv.group, None, D ** -0.5)
+
+    def nbytes(a):
+        q, pk, pv = a[:3]
+        return 2 * tensor_bytes(q) + tensor_bytes(*pk.tensors(), *pv.tensors())
+
+    # Bytes read + written by each side, for the label (bf16 cache, Q = 32).
+    elem = 2
+    q_io = 2 * Q * H * D * elem
+    quant_kv = (H * T * D * k_bits // 8 + 2 * H * (T // G) * D * elem + H * (T // G) * p * (1 + D * elem)
+                + H * T * D * v_bits // 8 + 2 * H * T * (D // G) * elem)
+    dense_kv = 2 * H * T * D * elem
+    label = (f"Q{Q}/T{T} K{k_bits}p{p}V{v_bits} rd {(q_io + quant_kv) / 1e6:.1f} vs "
+             f"{(q_io + dense_kv) / 1e6:.1f} MB")
+    register(Case(op="quant_attention", shape=label, make=make, run=run,
+                  baselines={"sparse_bf16": sparse_bf16, "reference": ref}, nbytes=nbytes,
+                  dtypes=(torch.bfloat16,)))
+
+
+for _kb, _vb, _p in ((4, 4, 0), (4, 4, 2), (2, 2, 0), (2, 2, 2)):
+    _attention_case(_kb, _vb, _p)
