@@ -107,15 +107,14 @@ def test_token_confidence_greedy(backend, dtype, mode):
         _check_confidence(backend, logits, mode, 0.0, suppress, None, label)
 
 
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("temperature,dtype", list(zip([0.3, 1.0, 2.5], DTYPES)))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_token_confidence_gumbel(backend, temperature):
+def test_token_confidence_gumbel(backend, temperature, dtype):
     g = _gen(7)
-    for dtype in DTYPES:
-        for logits, suppress, label in confidence_inputs(dtype, seed=1, big=False):
-            noise = _gumbel(logits.shape, g)
-            for mode in ["prob", "margin", "neg_entropy"]:
-                _check_confidence(backend, logits, mode, temperature, suppress, noise, label)
+    for logits, suppress, label in confidence_inputs(dtype, seed=1, big=False):
+        noise = _gumbel(logits.shape, g)
+        for mode in ["prob", "margin", "neg_entropy"]:
+            _check_confidence(backend, logits, mode, temperature, suppress, noise, label)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

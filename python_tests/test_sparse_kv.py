@@ -180,6 +180,10 @@ def attention_inputs(dtype, seed=0):
     kc = _rnd(g, B, H_kv, T + 4, d, dtype=dtype)[:, :, 3: T + 3]
     vc = _rnd(g, B, T, H_kv, d, dtype=dtype).transpose(1, 2)
     yield q, kc, vc, _left_padded(B, T, [0, T, 17]), 1.0, "left padding, empty row, strided"
+    # Peaked rows: score gaps far beyond exp's fp32 range (weights underflow to 0).
+    q = _rnd(g, 1, 3, 2, 32, dtype=dtype)
+    kc, vc = _rnd(g, 1, 1, 50, 32, dtype=dtype), _rnd(g, 1, 1, 50, 32, dtype=dtype)
+    yield q, kc, vc, None, 30.0, "peaked softmax"
 
 
 def _check_probs_properties(probs, valid, label):

@@ -15,6 +15,13 @@ def _digits(words):
     return [int(w) for w in words]
 
 
+def _items(field):
+    """Digits of a fixed-width field: the items, then only fillers."""
+    n = field.index("_") if "_" in field else len(field)
+    assert all(w == "_" for w in field[n:]) and all(w.isdigit() for w in field[:n])
+    return field[:n]
+
+
 def _solve(prompt: str) -> list[str]:
     """An independent solver working from the prompt text alone."""
     words = prompt.split()
@@ -22,17 +29,24 @@ def _solve(prompt: str) -> list[str]:
     op, body = words[1], words[2:-1]
     if op == "add":
         plus = body.index("+")
-        a = int("".join(reversed(body[:plus])))
-        b = int("".join(reversed(body[plus + 1:])))
+        assert plus == 10 and len(body) == 21
+        a = int("".join(reversed(_items(body[:plus]))))
+        b = int("".join(reversed(_items(body[plus + 1:]))))
         return list(str(a + b))[::-1]
     if op == "sort":
-        return [str(d) for d in sorted(_digits(body))]
-    if op == "reverse":
-        return body[::-1]
+        assert len(body) == 24
+        return [str(d) for d in sorted(_digits(_items(body)))]
+    if op == "scan":
+        assert len(body) == 24
+        out, s = [], 0
+        for d in _digits(_items(body)):
+            s += d
+            out.append(str(s % 10))
+        return out
     if op == "sub":
         src, dst, colon = body[0], body[1], body[2]
-        assert colon == ":"
-        return [dst if w == src else w for w in body[3:]]
+        assert colon == ":" and len(body) == 43
+        return [dst if w == src else w for w in _items(body[3:])]
     raise AssertionError(op)
 
 
@@ -49,11 +63,13 @@ def test_answers_are_correct(task):
 def test_answer_lengths_span_4_to_40_and_fit_the_generation_length():
     lengths = {t: [len(p.answer_ids) for p in problems(t, 1000, seed=2)] for t in TASKS}
     for t, ls in lengths.items():
-        assert min(ls) >= 4 and max(ls) <= GEN_LENGTH, t
-        assert max(ls) - min(ls) >= 8, t  # every task has several answer lengths
+        g = TASKS[t].gen_length
+        assert g % BLOCK_LENGTH == 0 and g <= GEN_LENGTH
+        assert min(ls) >= 4 and max(ls) < g, t       # room for at least one EOS
+        assert max(ls) - min(ls) >= 7, t             # every task has several answer lengths
     everything = sum(lengths.values(), [])
     assert min(everything) == 4 and max(everything) == 40
-    assert GEN_LENGTH % BLOCK_LENGTH == 0 and GEN_LENGTH // BLOCK_LENGTH >= 2
+    assert max(TASKS[t].gen_length for t in TASKS) == GEN_LENGTH == 3 * BLOCK_LENGTH
 
 
 def test_add_has_carries_and_operands_without_leading_zeros():
@@ -61,15 +77,16 @@ def test_add_has_carries_and_operands_without_leading_zeros():
     for p in problems("add", 300, seed=3):
         words = p.prompt.split()[2:-1]
         plus = words.index("+")
-        assert words[plus - 1] != "0" and words[-1] != "0"  # most significant digits
-        carries += len(p.answer_ids) > max(plus, len(words) - plus - 1)
+        a, b = _items(words[:plus]), _items(words[plus + 1:])
+        assert a[-1] != "0" and b[-1] != "0"  # most significant digits
+        carries += len(p.answer_ids) > max(len(a), len(b))
     assert carries > 20  # the final carry happens often enough
 
 
 def test_sub_rule_always_fires():
     for p in problems("sub", 300, seed=4):
         src = p.prompt.split()[2]
-        assert src in p.prompt.split()[5:-1]
+        assert src in _items(p.prompt.split()[5:-1])
 
 
 @pytest.mark.parametrize("task", list(TASKS))
@@ -113,7 +130,7 @@ def test_calibration_pairs_cycle_tasks_and_are_deterministic():
 
 
 def test_exact_match_rules():
-    p = problems("reverse", 1, 0)[0]
+    p = problems("scan", 1, 0)[0]
     ans = list(p.answer_ids)
     assert exact_match(p, ans)                                   # no EOS, nothing more
     assert exact_match(p, ans + [EOS] * 5)                       # EOS padding
@@ -131,7 +148,7 @@ def test_pack_lays_out_left_padded_canvases():
     batch = problems("add", 3, 0) + problems("sub", 2, 0)
     x, valid, region = pack(batch)
     L = max(len(p.prompt_ids) for p in batch)
-    assert x.shape == (5, L + GEN_LENGTH) and region[:, L:].all() and not region[:, :L].any()
+    assert x.shape == (5, L + GEN_LENGTH)   # the longest generation length in the batch and region[:, L:].all() and not region[:, :L].any()
     for r, p in enumerate(batch):
         pad = L - len(p.prompt_ids)
         assert (x[r, :pad] == PAD).all() and not valid[r, :pad].any() and valid[r, pad:].all()
@@ -141,6 +158,9 @@ def test_pack_lays_out_left_padded_canvases():
         assert exact_match(p, x[r, L:].tolist())
     xm, _, _ = pack(batch, with_answers=False)
     assert (xm[:, L:] == MASK).all() and torch.equal(xm[:, :L], x[:, :L])
+    x16, _, r16 = pack(problems("add", 2, 0))
+    assert x16.shape[1] == len(problems("add", 1, 0)[0].prompt_ids) + TASKS["add"].gen_length == 40
+    assert int(r16[0].sum()) == 16
     with pytest.raises(ValueError, match="exceeds gen_length"):
         pack(batch, gen_length=8)
 
@@ -148,7 +168,7 @@ def test_pack_lays_out_left_padded_canvases():
 def test_task_names():
     assert task_names("all") == list(TASKS)
     assert task_names("add,sort") == ["add", "sort"]
-    assert task_names(["reverse"]) == ["reverse"]
+    assert task_names(["scan"]) == ["scan"]
     with pytest.raises(ValueError, match="unknown task"):
         task_names("add,mul")
     with pytest.raises(ValueError, match="unknown split"):

@@ -4,8 +4,9 @@ Deterministic and CPU-only: one seed drives the data stream, the masking and
 the initialisation; torch runs on 2 threads with deterministic algorithms.
 
 Objective (masked diffusion, LLaDA SFT): every sequence is
-``<bos> prompt | answer <eos>...`` with the answer padded with EOS to the
-generation length. Per sequence a ratio t ~ U(eps, 1) is drawn (stratified
+``<bos> prompt | answer <eos>...`` with the answer padded with EOS to its
+task's generation length. Each batch holds one task (the tasks take turns, so
+batches need no padding between generation lengths). Per sequence a ratio t ~ U(eps, 1) is drawn (stratified
 over the batch, which keeps each t uniform while lowering the variance),
 each answer token is masked with probability t, the prompt is never masked,
 and the loss is the cross-entropy on masked tokens weighted by 1/t, divided by
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dllm_ops.models import DiffusionLM, ModelConfig, save  # noqa: E402
-from dllm_ops.tasks import (BLOCK_LENGTH, GEN_LENGTH, TASKS, pack, problems, sample,  # noqa: E402
+from dllm_ops.tasks import (BLOCK_LENGTH, TASKS, exact_match, pack, problems, sample,  # noqa: E402
                             task_tokenizer, vocab_ids)
 
 CKPT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -89,61 +90,62 @@ def init_weights(model: DiffusionLM, seed: int) -> None:
 
 
 def masked_batch(batch, gen: torch.Generator, eps: float):
-    """Canvas, key mask, masked canvas, mask positions and per-row t for one batch."""
-    x, valid, region = pack(batch, GEN_LENGTH)
+    """Canvas, key mask, masked canvas, mask positions, per-row t and the
+    generation length, for one batch."""
+    x, valid, region = pack(batch)
     B = x.shape[0]
     u = torch.rand((), generator=gen)
     t = eps + (1 - eps) * ((torch.arange(B) + u) / B)[torch.randperm(B, generator=gen)]
     masked = region & (torch.rand(x.shape, generator=gen) < t[:, None])
     xm = torch.where(masked, torch.full_like(x, vocab_ids()["<mask>"]), x)
-    return x, valid, xm, masked, t
+    return x, valid, xm, masked, t, int(region[0].sum())
 
 
-def diffusion_loss(model: DiffusionLM, x, valid, xm, masked, t) -> torch.Tensor:
+def diffusion_loss(model: DiffusionLM, x, valid, xm, masked, t, gen_length) -> torch.Tensor:
+    """sum over masked answer tokens of CE / t, over the answer length, batch mean."""
     logits = model(xm, valid).float()
     if model.config.logit_shift:  # Dream: position j-1 predicts token j
         logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
     ce = F.cross_entropy(logits[masked], x[masked], reduction="none")
-    w = (1.0 / t)[:, None].expand_as(masked)[masked] / GEN_LENGTH
+    w = (1.0 / t)[:, None].expand_as(masked)[masked] / gen_length
     return (ce * w).sum() / x.shape[0]
 
 
 @torch.no_grad()
 def dense_decode(model: DiffusionLM, batch, oneshot: bool = False, block_length: int = BLOCK_LENGTH):
-    """Low-confidence decoding, one token per step per block, with full forwards
-    (LLaDA's generate; the Dream block-start rule is not needed for a quality
-    probe). ``oneshot`` commits every position from the first forward: what a
-    cache that is never refreshed sees."""
+    """Low-confidence decoding, one token per call, block by block, with full
+    dense forwards (LLaDA's generate; a quality probe independent of the dllm
+    ops; Dream's block-start rule is not applied). ``oneshot`` commits every
+    position from the first forward, which is what a never-refreshed cache
+    sees. Returns the generated regions."""
     v = vocab_ids()
-    x, valid, _ = pack(batch, GEN_LENGTH, with_answers=False)
-    L = x.shape[1] - GEN_LENGTH
+    x, valid, region = pack(batch, with_answers=False)
+    L = x.shape[1] - int(region[0].sum())
     shift = model.config.logit_shift
 
     def logits_of(x):
         lg = model(x, valid).float()
+        lg[..., v["<mask>"]] = float("-inf")
         return torch.cat([lg[:, :1], lg[:, :-1]], 1) if shift else lg
 
     if oneshot:
-        pred = logits_of(x).argmax(-1)
-        return pred[:, L:]
+        return logits_of(x).argmax(-1)[:, L:]
     for s in range(L, x.shape[1], block_length):
         for _ in range(block_length):
-            lg = logits_of(x)
-            prob, tok = lg.softmax(-1).max(-1)
+            prob, tok = logits_of(x).softmax(-1).max(-1)
             cand = x == v["<mask>"]
             cand[:, :s] = False
             cand[:, s + block_length:] = False
             if not cand.any():
                 break
-            conf = torch.where(cand, prob, torch.full_like(prob, -1.0))
-            j = conf.argmax(1)
+            j = torch.where(cand, prob, torch.full_like(prob, -1.0)).argmax(1)
             rows = cand.any(1).nonzero().squeeze(1)
             x[rows, j[rows]] = tok[rows, j[rows]]
     return x[:, L:]
 
 
 def accuracy(model: DiffusionLM, n: int, oneshot: bool = False, seed: int = 0) -> dict[str, float]:
-    from dllm_ops.tasks import exact_match
+    """Dense-decode exact match on `n` held-out problems per task."""
     out = {}
     for task in TASKS:
         probs = problems(task, n, seed, "test")
@@ -203,7 +205,8 @@ def train(preset: dict, recipe: dict, out: str | None, log_every: int = 50, acc_
     t0, c0 = time.perf_counter(), time.process_time()
     run = 0.0
     for s in range(steps if stop_after is None else min(steps, stop_after)):
-        batch = [sample(names[rng.randrange(len(names))], rng, "train") for _ in range(recipe["batch"])]
+        task = names[s % len(names)]
+        batch = [sample(task, rng, "train") for _ in range(recipe["batch"])]
         loss = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"]))
         opt.zero_grad(set_to_none=True)
         loss.backward()

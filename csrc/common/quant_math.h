@@ -130,7 +130,8 @@ DLLM_HD uint32_t quant_code(float x, float scale, float mn, int bits) {
 
 // code * scale + mn in fp32 (to be rounded to the cache dtype by the caller).
 DLLM_HD float dequant_value(uint32_t code, float scale, float mn) {
-  return add_rn(mul_rn(static_cast<float>(code), scale), mn);
+  // via int: an unsigned -> float conversion does not vectorize on x86 SSE
+  return add_rn(mul_rn(static_cast<float>(static_cast<int>(code)), scale), mn);
 }
 
 DLLM_HD uint32_t pack_code(uint32_t code, int slot, int bits) { return code << (bits * slot); }

@@ -16,6 +16,14 @@
 #include "common/quant_math.h"
 #include "common/sparse_kv_math.h"
 
+// The per-row loops below stay out of line: inlined into their callers, GCC
+// loses their restrict guarantees and runs the scalar fallback.
+#if defined(__GNUC__)
+#define DLLM_CPU_NOINLINE __attribute__((noinline))
+#else
+#define DLLM_CPU_NOINLINE
+#endif
+
 namespace dllm {
 namespace {
 
@@ -110,6 +118,16 @@ void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t*
   }
 }
 
+// Codes of one token row OR-ed into its byte row at bit `shift`. A function
+// of its own with restrict pointers and local ints, so the loop vectorizes.
+template <typename T>
+DLLM_CPU_NOINLINE void or_codes_row(const T* __restrict__ row, const float* __restrict__ sf,
+                  const float* __restrict__ mf, uint8_t* __restrict__ orow, int64_t d, int bits,
+                  int shift) {
+  for (int64_t c = 0; c < d; ++c)
+    orow[c] |= static_cast<uint8_t>(m::quant_code(widen(row[c]), sf[c], mf[c], bits) << shift);
+}
+
 template <typename T>
 void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, int64_t imp_per_head,
                        uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx, T* prot_val,
@@ -139,11 +157,7 @@ void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, int64
       std::fill_n(out, rows_per_group * d, uint8_t{0});
       for (int j = 0; j < n_real; ++j) {
         if (slot_of[j] != m::kProtUnused) continue;
-        const T* row = x + j * d;
-        uint8_t* orow = out + (j / n) * d;
-        const int shift = bits * (j % n);
-        for (int64_t c = 0; c < d; ++c)
-          orow[c] |= static_cast<uint8_t>(m::quant_code(widen(row[c]), sf[c], mf[c], bits) << shift);
+        or_codes_row(x + j * d, sf, mf, out + (j / n) * d, d, bits, bits * (j % n));
       }
       for (int sl = 0; sl < p; ++sl) {
         prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
@@ -191,10 +205,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {codes, scale, mn, prot_idx, prot_val};
 }
 
-// Dequantization goes through a per-(group, channel) table of the 2^bits
-// possible values, each computed with the shared formula (so the result is
-// the same bits), which makes the per-element work a table lookup.
-constexpr int kMaxCodes = 16;
+// One row of dequantized values: code j of byte c (at bit `shift`) under the
+// per-element stored scale / min sf[c], mf[c], rounded to T, stored as O.
+// Restrict pointers and local ints, so the loop vectorizes.
+template <typename T, typename O>
+DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
+                 const float* __restrict__ mf, O* __restrict__ o, int64_t d, int shift,
+                 uint32_t mask) {
+  for (int64_t c = 0; c < d; ++c)
+    o[c] = static_cast<O>(narrow<T>(m::dequant_value((crow[c] >> shift) & mask, sf[c], mf[c])));
+}
 
 // Dequantized K rows of one group into out (row stride d), protected tokens
 // from prot_val. Returns false (writing nothing) when the group's prot_idx
@@ -204,18 +224,14 @@ bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t*
                      const T* scale, const T* mn, const uint8_t* prot_idx, const T* prot_val,
                      O* out) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
-  const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits), n_codes = 1 << bits;
+  const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
   const uint32_t mask = static_cast<uint32_t>(m::quant_levels(bits));
   const int64_t d = s.d, u = bh * s.n_groups + g;
   const int n_real = m::group_tokens(s.T, G, g);
   const uint8_t* pidx = prot_idx + u * p;
   if (!m::prot_group_valid(pidx, p, n_real)) return false;
-  O lut[m::kQuantMaxHeadDim * kMaxCodes];  // lut[c * 16 + code]
-  for (int64_t c = 0; c < d; ++c) {
-    const float sf = widen(scale[u * d + c]), mf = widen(mn[u * d + c]);
-    for (int code = 0; code < n_codes; ++code)
-      lut[c * kMaxCodes + code] = static_cast<O>(narrow<T>(m::dequant_value(code, sf, mf)));
-  }
+  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c) sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
   const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
   for (int j = 0; j < n_real; ++j) {
     O* o = out + j * d;
@@ -225,9 +241,7 @@ bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t*
       for (int64_t c = 0; c < d; ++c) o[c] = static_cast<O>(pv[c]);
       continue;
     }
-    const uint8_t* crow = crow0 + (j / n) * d;
-    const int shift = bits * (j % n);
-    for (int64_t c = 0; c < d; ++c) o[c] = lut[c * kMaxCodes + ((crow[c] >> shift) & mask)];
+    dequant_row<T, O>(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask);
   }
   return true;
 }
@@ -306,31 +320,48 @@ at::Tensor k_quant_error_cpu(const at::Tensor& k, int64_t bits, int64_t group) {
 // V: per token over channel groups
 // ============================================================================
 
+// Codes (one per byte) of one row under per-element stored scale / min.
+template <typename T>
+DLLM_CPU_NOINLINE void codes_row(const T* __restrict__ x, const float* __restrict__ sf, const float* __restrict__ mf,
+               uint8_t* __restrict__ out, int64_t d, int bits) {
+  for (int64_t c = 0; c < d; ++c)
+    out[c] = static_cast<uint8_t>(m::quant_code(widen(x[c]), sf[c], mf[c], bits));
+}
+
 template <typename T>
 void quantize_v_row(const QuantVShape& s, const T* x, uint8_t* codes, T* scale, T* mn, int& st) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int n = m::codes_per_byte(bits);
+  const int64_t d = s.d;
+  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];  // per channel
+  uint8_t code[m::kQuantMaxHeadDim];
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
     const T* xg = x + grp * G;
+    // Eight running lanes (G is a multiple of 8), so the loop vectorizes.
+    float lo[8], hi[8];
+    int bad = 0;
+    for (int l = 0; l < 8; ++l) lo[l] = INFINITY, hi[l] = -INFINITY;
+    for (int c0 = 0; c0 < G; c0 += 8)
+      for (int l = 0; l < 8; ++l) {
+        const float v = widen(xg[c0 + l]);
+        bad |= !m::is_finite(v);
+        lo[l] = v < lo[l] ? v : lo[l];
+        hi[l] = v > hi[l] ? v : hi[l];
+      }
+    if (bad) st |= m::kQuantNonFinite;
     m::QuantRange r = m::range_empty();
-    bool finite = true;
-    for (int c = 0; c < G; ++c) {
-      const float v = widen(xg[c]);
-      finite &= m::is_finite(v);
-      m::range_add(r, v);
-    }
-    if (!finite) st |= m::kQuantNonFinite;
+    for (int l = 0; l < 8; ++l) r = m::range_merge(r, m::QuantRange{lo[l], hi[l]});
     const T sT = narrow<T>(m::range_scale(r, bits)), mT = narrow<T>(m::range_min(r));
     scale[grp] = sT, mn[grp] = mT;
-    const float sf = widen(sT), mf = widen(mT);
-    if (!m::is_finite(sf)) st |= m::kQuantRangeOverflow;
-    uint8_t* out = codes + grp * (G / n);
-    for (int rb = 0; rb < G / n; ++rb) {
-      uint32_t byte = 0;
-      for (int jj = 0; jj < n; ++jj)
-        byte |= m::pack_code(m::quant_code(widen(xg[rb * n + jj]), sf, mf, bits), jj, bits);
-      out[rb] = static_cast<uint8_t>(byte);
-    }
+    if (!m::is_finite(widen(sT))) st |= m::kQuantRangeOverflow;
+    std::fill_n(sf + grp * G, G, widen(sT));
+    std::fill_n(mf + grp * G, G, widen(mT));
+  }
+  codes_row(x, sf, mf, code, d, bits);
+  for (int64_t rb = 0; rb < d / n; ++rb) {
+    uint32_t byte = 0;
+    for (int jj = 0; jj < n; ++jj) byte |= m::pack_code(code[rb * n + jj], jj, bits);
+    codes[rb] = static_cast<uint8_t>(byte);
   }
 }
 
@@ -359,24 +390,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
   return {codes, scale, mn};
 }
 
-// One dequantized V row (d values) into out, through a table per group.
+// One dequantized V row (d values) into out: codes unpacked to one per
+// byte, then the vectorized dequant_row with per-channel scale / min.
 template <typename T, typename O>
 void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn, O* out) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
-  const int n = m::codes_per_byte(bits), n_codes = 1 << bits;
-  const uint32_t mask = static_cast<uint32_t>(m::quant_levels(bits));
+  const int n = m::codes_per_byte(bits);
+  const int64_t d = s.d;
+  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+  uint8_t code[m::kQuantMaxHeadDim];
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-    const float sf = widen(scale[grp]), mf = widen(mn[grp]);
-    O lut[kMaxCodes];
-    for (int code = 0; code < n_codes; ++code)
-      lut[code] = static_cast<O>(narrow<T>(m::dequant_value(code, sf, mf)));
-    const uint8_t* cg = codes + grp * (G / n);
-    O* o = out + grp * G;
-    for (int rb = 0; rb < G / n; ++rb) {
-      const uint32_t byte = cg[rb];
-      for (int jj = 0; jj < n; ++jj) o[rb * n + jj] = lut[(byte >> (bits * jj)) & mask];
-    }
+    std::fill_n(sf + grp * G, G, widen(scale[grp]));
+    std::fill_n(mf + grp * G, G, widen(mn[grp]));
   }
+  for (int64_t rb = 0; rb < d / n; ++rb)
+    for (int jj = 0; jj < n; ++jj)
+      code[rb * n + jj] = static_cast<uint8_t>(m::unpack_code(codes[rb], jj, bits));
+  dequant_row<T, O>(code, sf, mf, out, d, 0, 0xffu);
 }
 
 at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,

@@ -1,26 +1,38 @@
 """Problem generators: each maps a `random.Random` to (prompt words, answer words).
 
-Every task needs context from both sides of a position and answers of several
-tokens, so block-wise decoding and cache staleness show up in exact match:
+Lists are written in fixed-width fields: the items, then the filler word "_"
+up to the field's width. Digit i of every field then sits at a fixed distance
+from answer token i, which the tiny RoPE-only models find in minutes (with
+variable offsets they need far more training than a CPU budget allows). The
+answers still vary in length, and the decoder must find where each one ends.
 
-- add:     multi-digit addition, digits written least-significant first (the
-           order a carry flows in), e.g. 347 + 59: "add 7 4 3 + 9 5 =" -> "6 0 4".
-           A digit is cheap to get once the digit before it is decoded (its carry
-           is then local) and costly to get in one shot (a carry chain).
-- sort:    digits in ascending order.
-- reverse: digits in reverse order.
-- sub:     copy a digit list, replacing every occurrence of one digit by another,
-           "sub 3 7 : 1 3 3 5 =" -> "1 7 7 5".
+- add:  multi-digit addition, digits least-significant first (the order a
+        carry flows in): 347 + 59 is "add 7 4 3 _ .. + 9 5 _ .. =" -> "6 0 4".
+- sort: the digits in ascending order.
+- scan: running sums mod 10: "scan 3 4 5 _ .. =" -> "3 7 2".
+- sub:  copy the list, replacing every occurrence of one digit by another:
+        "sub 3 7 : 1 3 3 5 _ .. =" -> "1 7 7 5".
+
+`add` and `scan` answers are sequential: a token is easy once the token
+before it is decoded (the carry or the running sum is then local) and hard in
+one shot, so decoding that cannot see its own commits (a stale cache) fails.
+`sort` counts over the whole list; `sub` has the longest answers.
 """
 from __future__ import annotations
 
 import random
 
-# Inclusive ranges of the variable sizes; answers run from 4 to 40 tokens.
-ADD_DIGITS = (4, 12)      # digits per operand -> answers of 4..13 tokens
+FILL = "_"
+
+# (min, max) items; the field width is the max. Answers span 4..40 tokens.
+ADD_DIGITS = (4, 10)   # answers of 4..11 digits
 SORT_LEN = (4, 24)
-REVERSE_LEN = (4, 24)
+SCAN_LEN = (4, 24)
 SUB_LEN = (4, 40)
+
+
+def _field(items, width: int) -> list[str]:
+    return [str(d) for d in items] + [FILL] * (width - len(items))
 
 
 def _digits(rng: random.Random, n: int) -> list[int]:
@@ -32,22 +44,30 @@ def _number_lsb_first(rng: random.Random, n: int) -> list[int]:
     return _digits(rng, n - 1) + [rng.randrange(1, 10)]
 
 
+def _value(lsb_first: list[int]) -> int:
+    return int("".join(map(str, reversed(lsb_first))))
+
+
 def make_add(rng: random.Random) -> tuple[list[str], list[str]]:
+    w = ADD_DIGITS[1]
     a = _number_lsb_first(rng, rng.randint(*ADD_DIGITS))
     b = _number_lsb_first(rng, rng.randint(*ADD_DIGITS))
-    total = int("".join(map(str, reversed(a)))) + int("".join(map(str, reversed(b))))
-    answer = list(reversed(str(total)))
-    return (["add", *map(str, a), "+", *map(str, b), "="], answer)
+    answer = list(reversed(str(_value(a) + _value(b))))
+    return (["add", *_field(a, w), "+", *_field(b, w), "="], answer)
 
 
 def make_sort(rng: random.Random) -> tuple[list[str], list[str]]:
     xs = _digits(rng, rng.randint(*SORT_LEN))
-    return (["sort", *map(str, xs), "="], [str(d) for d in sorted(xs)])
+    return (["sort", *_field(xs, SORT_LEN[1]), "="], [str(d) for d in sorted(xs)])
 
 
-def make_reverse(rng: random.Random) -> tuple[list[str], list[str]]:
-    xs = _digits(rng, rng.randint(*REVERSE_LEN))
-    return (["reverse", *map(str, xs), "="], [str(d) for d in reversed(xs)])
+def make_scan(rng: random.Random) -> tuple[list[str], list[str]]:
+    xs = _digits(rng, rng.randint(*SCAN_LEN))
+    sums, s = [], 0
+    for d in xs:
+        s = (s + d) % 10
+        sums.append(str(s))
+    return (["scan", *_field(xs, SCAN_LEN[1]), "="], sums)
 
 
 def make_sub(rng: random.Random) -> tuple[list[str], list[str]]:
@@ -57,5 +77,5 @@ def make_sub(rng: random.Random) -> tuple[list[str], list[str]]:
     # The rule must fire: put `src` at 1..max(1, n/5) random places.
     for i in rng.sample(range(n), rng.randint(1, max(1, n // 5))):
         xs[i] = src
-    ys = [dst if d == src else d for d in xs]
-    return (["sub", str(src), str(dst), ":", *map(str, xs), "="], [str(d) for d in ys])
+    ys = [str(dst if d == src else d) for d in xs]
+    return (["sub", str(src), str(dst), ":", *_field(xs, SUB_LEN[1]), "="], ys)

@@ -15,8 +15,8 @@ import torch
 from . import generators
 from .vocab import vocab_ids
 
-GEN_LENGTH = 48      # generated region: the longest answer (40) plus EOS padding
 BLOCK_LENGTH = 16
+GEN_LENGTH = 48      # the longest generated region (Task.gen_length)
 
 _SPLIT_BUCKETS = 16  # crc32(prompt) % 16: 0-1 test, 2 calib, 3-15 train
 SPLITS = ("train", "test", "calib")
@@ -27,13 +27,14 @@ class Task:
     name: str
     make: Callable[[random.Random], tuple[list[str], list[str]]]
     summary: str
+    gen_length: int   # generated region: a multiple of BLOCK_LENGTH > the longest answer
 
 
 TASKS: dict[str, Task] = {t.name: t for t in [
-    Task("add", generators.make_add, "multi-digit addition, least significant digit first"),
-    Task("sort", generators.make_sort, "sort digits ascending"),
-    Task("reverse", generators.make_reverse, "reverse a digit list"),
-    Task("sub", generators.make_sub, "copy a digit list, substituting one digit"),
+    Task("add", generators.make_add, "multi-digit addition, least significant digit first", 16),
+    Task("sort", generators.make_sort, "sort digits ascending", 32),
+    Task("scan", generators.make_scan, "running sums mod 10", 32),
+    Task("sub", generators.make_sub, "copy a digit list, substituting one digit", 48),
 ]}
 
 
@@ -113,8 +114,10 @@ def exact_match(problem: Problem, generated: Sequence[int], eos_id: int | None =
     return tuple(seq) == problem.answer_ids
 
 
-def pack(batch: Sequence[Problem], gen_length: int = GEN_LENGTH, with_answers: bool = True):
+def pack(batch: Sequence[Problem], gen_length: int | None = None, with_answers: bool = True):
     """Left-padded canvases ``[B, L + gen_length]`` as generate() lays them out.
+
+    `gen_length` defaults to the longest ``Task.gen_length`` in the batch.
 
     Returns ``(x, key_valid, answer_region)``: prompts right-aligned at column
     L, the generated region holding each answer followed by EOS up to
@@ -122,6 +125,8 @@ def pack(batch: Sequence[Problem], gen_length: int = GEN_LENGTH, with_answers: b
     the left padding, and answer_region True on the generated region.
     """
     v = vocab_ids()
+    if gen_length is None:
+        gen_length = max(TASKS[p.task].gen_length for p in batch)
     L = max(len(p.prompt_ids) for p in batch)
     B, T = len(batch), L + gen_length
     x = torch.full((B, T), v["<pad>"], dtype=torch.long)
