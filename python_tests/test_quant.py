@@ -157,6 +157,39 @@ def test_quantize_k_tail_and_protection_contract(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_codes_round_half_to_even(backend):
+    """Quotients landing exactly on .5 round to the even code (torch.round)."""
+    # One channel, 8 tokens: min 0, max 3, 2 bits -> scale 1; 0.5 -> 0, 1.5 -> 2, 2.5 -> 2.
+    col = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0, 1.0, 2.0, 0.25])
+    k = col.view(1, 1, 8, 1).expand(1, 1, 8, 8).contiguous()
+    codes = op(backend, "quantize_k")(*to(backend, k), 2, 8, 0, None)[0].cpu()
+    got = [(int(codes[0, 0, t // 4, 0]) >> (2 * (t % 4))) & 3 for t in range(8)]
+    assert got == [0, 0, 2, 2, 3, 1, 2, 0]
+    v = col.view(1, 1, 1, 8)
+    vcodes = op(backend, "quantize_v")(*to(backend, v), 2, 8)[0].cpu()
+    assert [(int(vcodes[0, 0, 0, c // 4]) >> (2 * (c % 4))) & 3 for c in range(8)] == got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_tiny_ranges_subnormal_and_underflowing_scales(backend):
+    """fp16 scales that are subnormal, or round to 0 although max > min (codes 0,
+    dequantized to min): still bit-identical to the reference."""
+    g = _gen(14)
+    k = (torch.randn(1, 2, 40, 16, generator=g) * 1e-6).half()
+    k[0, 0, :, 3] = torch.tensor(6e-8).half()   # near-constant channel ...
+    k[0, 0, 7, 3] = torch.tensor(1.2e-7).half()  # ... range 6e-8: scale underflows at 4 bits
+    for bits in BITS:
+        got = _cpu(op(backend, "quantize_k")(*to(backend, k), bits, 32, 1, *to(backend, k.float().abs().amax(-1))))
+        want = reference.quantize_k(k, bits, 32, 1, k.float().abs().amax(-1))
+        _assert_equal(got, want, K_NAMES, f"bits={bits}")
+    assert torch.any(got[1] == 0) and torch.any((got[1] > 0) & (got[1] < 6.1e-5))
+    v = k.transpose(2, 3).contiguous()
+    for bits in BITS:
+        _assert_equal(_cpu(op(backend, "quantize_v")(*to(backend, v), bits, 8)),
+                      reference.quantize_v(v, bits, 8), ("codes", "scale", "min"), f"v bits={bits}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_quantize_k_empty_length(backend):
     quant, dequant = op(backend, "quantize_k"), op(backend, "dequantize_k")
     k = torch.randn(2, 3, 0, 16)

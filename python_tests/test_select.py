@@ -619,3 +619,24 @@ def test_drift_select_opcheck(backend):
     d, r = torch.rand(4, 30), torch.rand(4, 30) < 0.7
     opcheck(torch.ops.dllm.drift_select.default, (*to(backend, d, r), 0.5, 30))
     opcheck(torch.ops.dllm.drift_select_threshold.default, (*to(backend, d, r), 0.4, 30))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_select_ops_empty_shapes(backend):
+    """Zero rows or zero columns: well-formed empty outputs, no launch errors."""
+    f = op(backend, "token_confidence")
+    tok, score = f(*to(backend, torch.randn(0, 17)), "prob", 0.0, *to(backend, torch.tensor([3]), None))
+    assert tok.shape == (0,) and score.shape == (0,)
+    s, c = torch.rand(3, 0), torch.zeros(3, 0, dtype=torch.bool)
+    for rule, k in (("topk", torch.zeros(3, dtype=torch.long)), ("threshold", None), ("factor", None)):
+        out = op(backend, "select_transfer")(*to(backend, s, c), rule, *to(backend, k), 0.9, 1.0)
+        assert out.shape == (3, 0)
+    assert op(backend, "select_transfer")(*to(backend, torch.rand(0, 5), torch.ones(0, 5, dtype=torch.bool)),
+                                          "factor", None, 0.9, 1.0).shape == (0, 5)
+    assert op(backend, "certainty_density")(*to(backend, torch.zeros(2, 0, dtype=torch.bool)), 10.0, True,
+                                            False).shape == (2, 0)
+    for name, param in (("drift_select", 0.5), ("drift_select_threshold", 0.5)):
+        reuse, idx, count = op(backend, name)(*to(backend, torch.rand(2, 0), torch.zeros(2, 0, dtype=torch.bool)),
+                                              param, 3)
+        assert reuse.shape == (2, 0) and torch.equal(idx.cpu(), torch.full((2, 3), -1, dtype=torch.int32))
+        assert torch.equal(count.cpu(), torch.zeros(2, dtype=torch.int32))

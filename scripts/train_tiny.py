@@ -50,9 +50,9 @@ CKPT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # Architectures and the training recipe of the shipped checkpoints.
 PRESETS = {
     "tiny-llada": dict(arch="llada", hidden=128, layers=4, heads=4, kv_heads=4, inter=384,
-                       qkv_bias=False, rms_eps=1e-5),
+                       qkv_bias=False, rms_eps=1e-5, rope_theta=10000.0),
     "tiny-dream": dict(arch="dream", hidden=128, layers=4, heads=4, kv_heads=2, inter=384,
-                       qkv_bias=True, rms_eps=1e-6),
+                       qkv_bias=True, rms_eps=1e-6, rope_theta=10000.0),
 }
 RECIPE = dict(steps=4000, batch=32, lr=1e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
               eval_every=50)
@@ -65,7 +65,7 @@ def model_config(p: dict) -> ModelConfig:
     return ModelConfig(arch=p["arch"], vocab_size=len(v), hidden_size=p["hidden"],
                        n_layers=p["layers"], n_heads=p["heads"], n_kv_heads=p["kv_heads"],
                        head_dim=p["hidden"] // p["heads"], intermediate_size=p["inter"],
-                       rms_eps=p["rms_eps"], rope_theta=10000.0, max_seq_len=256,
+                       rms_eps=p["rms_eps"], rope_theta=p["rope_theta"], max_seq_len=256,
                        qkv_bias=p["qkv_bias"], mask_id=v["<mask>"], eos_id=v["<eos>"],
                        pad_id=v["<pad>"], bos_id=v["<bos>"])
 
@@ -258,10 +258,16 @@ def main(argv=None) -> int:
                    help="also log a quick dense-decode accuracy every this many steps")
     p.add_argument("--acc-n", type=int, default=100,
                    help="held-out problems per task for the final dense-decode accuracy (0: skip)")
+    p.add_argument("--arch-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override preset fields (experiments; the shipped runs use none)")
     a = p.parse_args(argv)
     recipe = {k: getattr(a, k) for k in RECIPE}
+    preset = dict(PRESETS[a.model])
+    for kv in a.arch_set:
+        k, v = kv.split("=")
+        preset[k] = type(preset[k])(v)
     out = None if a.out == "-" else a.out or os.path.join(CKPT_DIR, a.model)
-    log = train(PRESETS[a.model], recipe, out, acc_n=a.acc_n, probe_every=a.probe_every)
+    log = train(preset, recipe, out, acc_n=a.acc_n, probe_every=a.probe_every)
     print(f"trained {a.model} in {log['train_seconds']:.0f}s" + (f" -> {out}" if out else ""))
     return 0
 

@@ -6,6 +6,7 @@
 #include "cuda/select.cuh"
 #include "cuda/rollout.cuh"
 #include "cuda/sparse_kv.cuh"
+#include "cuda/quant.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -612,8 +613,192 @@ static void test_select_family() {
   test_drift_select<__nv_bfloat16>("drift_select<bf16> overflow", 2, 50, true, 0.1, 5);
 }
 
+// ---- family: quant ---------------------------------------------------------
+
+// Host model of one K/V group: stored scale / min in T from the fp32 range,
+// codes from the stored values (round half to even via nearbyint in double of
+// the fp32 quotient).
+template <typename T>
+struct HostGroupQuant {
+  T scale, mn;
+  float sf, mf;
+};
+
+template <typename T>
+static HostGroupQuant<T> host_group_quant(const std::vector<float>& vals, int bits) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (float v : vals) lo = std::min(lo, v), hi = std::max(hi, v);
+  if (vals.empty()) lo = hi = 0.f;
+  HostGroupQuant<T> q;
+  q.scale = cast_from_float<T>((hi - lo) / float((1 << bits) - 1));
+  q.mn = cast_from_float<T>(lo);
+  q.sf = dllm::cuda::to_float(q.scale);
+  q.mf = dllm::cuda::to_float(q.mn);
+  return q;
+}
+
+static int host_code(float x, float sf, float mf, int bits) {
+  if (!(sf > 0.f)) return 0;
+  const double r = std::nearbyint(double((x - mf) / sf));
+  return int(std::min(std::max(r, 0.0), double((1 << bits) - 1)));
+}
+
+// quantize_k (protect_p = 2, a 5-token last group), dequantize_k, k_quant_error
+// and quant_attention over the packed cache (GQA 2, masked keys) against host
+// loops; then a corrupt prot_idx must raise the status bit.
+template <typename T>
+static void test_quant_family(const char* name, int bits, double attn_tol) {
+  using dllm::cuda::to_float;
+  namespace q = dllm::cuda::quant;
+  const int B = 1, H = 2, Tn = 37, d = 16, G = 8, p = 2, n = 8 / bits, Hq = 4, Q = 3;
+  const int n_groups = (Tn + G - 1) / G;
+  const int64_t rows = int64_t(n_groups) * G / n;
+  std::mt19937 rng(bits * 101 + d);
+  std::normal_distribution<float> n01;
+  std::vector<T> k(size_t(B) * H * Tn * d), v(k.size()), qv(size_t(B) * Q * Hq * d);
+  for (auto& x : k) x = cast_from_float<T>(n01(rng) * 2.f);
+  for (auto& x : v) x = cast_from_float<T>(n01(rng));
+  for (auto& x : qv) x = cast_from_float<T>(n01(rng));
+  std::vector<float> imp(size_t(B) * H * Tn);
+  for (auto& x : imp) x = float(rng() % 5);  // ties resolved by the lower index
+  std::vector<uint8_t> codes(size_t(B) * H * rows * d, 0xAB), pidx(size_t(B) * H * n_groups * p);
+  std::vector<T> scale(size_t(B) * H * n_groups * d), mn(scale.size()),
+      pval(size_t(B) * H * n_groups * p * d);
+  int status = 0;
+  q::launch_quantize_k(k.data(), imp.data(), 1, codes.data(), scale.data(), mn.data(), pidx.data(),
+                       pval.data(), &status, B, H, Tn, d, G, bits, p, nullptr);
+  expect_close(status, 0, 0.0, name, 0);
+  for (int h = 0; h < H; ++h)
+    for (int g = 0; g < n_groups; ++g) {
+      const int n_real = std::min(G, Tn - g * G);
+      // Host top-p: importance descending, ties to the lower index.
+      std::vector<int> order(n_real);
+      for (int j = 0; j < n_real; ++j) order[j] = j;
+      const float* ig = imp.data() + size_t(h) * Tn + g * G;
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ig[a] > ig[b]; });
+      const size_t u = size_t(h) * n_groups + g;
+      std::vector<bool> prot(G, false);
+      for (int s = 0; s < p; ++s) {
+        const int want = s < n_real ? order[s] : 255;
+        expect_close(pidx[u * p + s], want, 0.0, name, int(u * p + s));
+        if (s < n_real) prot[order[s]] = true;
+      }
+      for (int c = 0; c < d; ++c) {
+        std::vector<float> vals;
+        for (int j = 0; j < n_real; ++j)
+          if (!prot[j]) vals.push_back(to_float(k[(size_t(h) * Tn + g * G + j) * d + c]));
+        const auto hq = host_group_quant<T>(vals, bits);
+        expect_close(to_float(scale[u * d + c]), hq.sf, 0.0, name, int(u * d + c));
+        expect_close(to_float(mn[u * d + c]), hq.mf, 0.0, name, int(u * d + c));
+        for (int j = 0; j < G; ++j) {
+          const int t = g * G + j;
+          const int code = (codes[(size_t(h) * rows + t / n) * d + c] >> (bits * (t % n))) & ((1 << bits) - 1);
+          const int want =
+              (j < n_real && !prot[j]) ? host_code(to_float(k[(size_t(h) * Tn + t) * d + c]), hq.sf, hq.mf, bits) : 0;
+          expect_close(code, want, 0.0, name, t);
+        }
+      }
+    }
+  // dequantize_k: protected tokens exact, the rest within half a step.
+  const q::PackedK<T> pk{codes.data(), scale.data(), mn.data(), pidx.data(), pval.data(), bits, G, p,
+                         n_groups, rows};
+  std::vector<T> kd(k.size());
+  q::launch_dequantize_k(pk, kd.data(), &status, B, H, Tn, d, nullptr);
+  expect_close(status, 0, 0.0, name, 1);
+  for (size_t i = 0; i < k.size(); ++i) {
+    const size_t t = (i / d) % Tn, hh = i / (size_t(d) * Tn), c = i % d;
+    const double step = to_float(scale[(hh * n_groups + t / G) * d + c]);
+    const double err = std::fabs(double(to_float(kd[i])) - to_float(k[i]));
+    if (!(err <= step / 2 + 1e-2 * std::fabs(to_float(k[i])) + 1e-6)) {
+      std::fprintf(stderr, "FAIL %s dequantize_k[%zu]: err %g, step %g\n", name, i, err, step);
+      ++g_failures;
+    }
+  }
+  // k_quant_error: squared error of the p = 0 round trip.
+  std::vector<uint8_t> codes0(codes.size()), pidx0;
+  std::vector<T> scale0(scale.size()), mn0(mn.size()), pval0, kd0(k.size());
+  q::launch_quantize_k(k.data(), static_cast<const float*>(nullptr), 0, codes0.data(), scale0.data(), mn0.data(),
+                       pidx0.data(), pval0.data(), &status, B, H, Tn, d, G, bits, 0, nullptr);
+  const q::PackedK<T> pk0{codes0.data(), scale0.data(), mn0.data(), pidx0.data(), pval0.data(), bits, G, 0,
+                          n_groups, rows};
+  q::launch_dequantize_k(pk0, kd0.data(), &status, B, H, Tn, d, nullptr);
+  std::vector<float> err(size_t(B) * H * Tn, -1.f);
+  q::launch_k_quant_error(k.data(), err.data(), &status, B, H, Tn, d, G, bits, nullptr);
+  for (size_t r = 0; r < err.size(); ++r) {
+    double e = 0;
+    for (int c = 0; c < d; ++c) {
+      const double diff = double(to_float(k[r * d + c])) - to_float(kd0[r * d + c]);
+      e += diff * diff;
+    }
+    expect_close(err[r], e, 1e-5, name, int(r));
+  }
+  // quantize_v (groups of 8 channels) + dequantize_v.
+  const int Gv = 8, ngv = d / Gv, rb = d * bits / 8;
+  std::vector<uint8_t> vcodes(size_t(B) * H * Tn * rb);
+  std::vector<T> vscale(size_t(B) * H * Tn * ngv), vmn(vscale.size()), vd(v.size());
+  q::launch_quantize_v(v.data(), vcodes.data(), vscale.data(), vmn.data(), &status, int64_t(B) * H * Tn, d, Gv,
+                       bits, nullptr);
+  expect_close(status, 0, 0.0, name, 2);
+  for (int r = 0; r < B * H * Tn; ++r)
+    for (int gv = 0; gv < ngv; ++gv) {
+      std::vector<float> vals;
+      for (int c = 0; c < Gv; ++c) vals.push_back(to_float(v[size_t(r) * d + gv * Gv + c]));
+      const auto hq = host_group_quant<T>(vals, bits);
+      expect_close(to_float(vscale[size_t(r) * ngv + gv]), hq.sf, 0.0, name, r);
+      for (int c = gv * Gv; c < gv * Gv + Gv; ++c) {
+        const int code = (vcodes[size_t(r) * rb + c / n] >> (bits * (c % n))) & ((1 << bits) - 1);
+        expect_close(code, host_code(to_float(v[size_t(r) * d + c]), hq.sf, hq.mf, bits), 0.0, name, c);
+      }
+    }
+  const q::PackedV<T> pvv{vcodes.data(), vscale.data(), vmn.data(), bits, Gv, ngv, rb};
+  q::launch_dequantize_v(pvv, vd.data(), int64_t(B) * H * Tn, d, nullptr);
+  // quant_attention against a double host loop over the dequantized caches.
+  bool valid[64];
+  for (int t = 0; t < Tn; ++t) valid[t] = t % 4 != 1;
+  std::vector<T> out(qv.size());
+  const float sc = 1.f / std::sqrt(float(d));
+  q::launch_quant_attention(qv.data(), pk, pvv, valid, sc, out.data(), &status, B, Q, Hq, H, Tn, d, nullptr);
+  expect_close(status, 0, 0.0, name, 3);
+  for (int j = 0; j < Q; ++j)
+    for (int hq = 0; hq < Hq; ++hq) {
+      const int h = hq / (Hq / H);
+      std::vector<double> s(Tn, 0.0);
+      double mx = -INFINITY, sum = 0.0;
+      for (int t = 0; t < Tn; ++t) {
+        if (!valid[t]) continue;
+        double dot = 0;
+        for (int c = 0; c < d; ++c)
+          dot += double(to_float(qv[(size_t(j) * Hq + hq) * d + c])) * to_float(kd[(size_t(h) * Tn + t) * d + c]);
+        s[t] = dot * sc;
+        mx = std::max(mx, s[t]);
+      }
+      for (int t = 0; t < Tn; ++t) sum += valid[t] ? std::exp(s[t] - mx) : 0.0;
+      for (int c = 0; c < d; ++c) {
+        double o = 0;
+        for (int t = 0; t < Tn; ++t)
+          if (valid[t]) o += std::exp(s[t] - mx) / sum * to_float(vd[(size_t(h) * Tn + t) * d + c]);
+        expect_close(to_float(out[(size_t(j) * Hq + hq) * d + c]), o, attn_tol, name, c);
+      }
+    }
+  // A prot_idx entry past the last group's 5 real tokens is reported.
+  pidx[(size_t(1) * n_groups + n_groups - 1) * p] = 6;
+  status = 0;
+  q::launch_dequantize_k(pk, kd.data(), &status, B, H, Tn, d, nullptr);
+  expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 4);
+  status = 0;
+  q::launch_quant_attention(qv.data(), pk, pvv, valid, sc, out.data(), &status, B, Q, Hq, H, Tn, d, nullptr);
+  expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 5);
+}
+
+static void test_quant_family_all() {
+  test_quant_family<float>("quant<float> 4-bit", 4, 1e-5);
+  test_quant_family<__nv_bfloat16>("quant<bf16> 2-bit", 2, 2e-2);
+  test_quant_family<__half>("quant<half> 4-bit", 4, 5e-3);
+}
+
 int main() {
   test_sparse_kv_family();
+  test_quant_family_all();
   test_rollout_family();
   test_select_family();
   for (int D : {1, 7, 111, 1025}) {
