@@ -1,4 +1,7 @@
 import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("transformers")
 import torch
 
 import dllm_ops

@@ -2,6 +2,9 @@ import json
 import os
 
 import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("transformers")
 import torch
 from safetensors.torch import load_file, save_file
 

@@ -2,6 +2,9 @@
 import random
 
 import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("transformers")
 import torch
 
 from dllm_ops.tasks import (BLOCK_LENGTH, GEN_LENGTH, TASKS, calibration_pairs, encode, exact_match,

@@ -11,8 +11,6 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import ModelConfig, from_hf_config, param_names, to_hf_config
 from .transformer import DiffusionLM
@@ -24,6 +22,7 @@ class CheckpointError(ValueError):
 
 def _weight_files(path: str) -> dict[str, str]:
     """Original tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open  # imported on use: kernels-only installs lack it
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -70,6 +69,8 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
     if extra:
         raise CheckpointError(f"dllm_ops.load: {files[extra[0]]}: unexpected tensors {extra[:5]}"
                               f"{' ...' if len(extra) > 5 else ''}")
+    from safetensors import safe_open
+
     with torch.device("meta"):
         model = DiffusionLM(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -94,6 +95,7 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
 
 def save(model: DiffusionLM, path: str, max_shard_bytes: int | None = None, tokenizer=None) -> None:
     """Write ``model`` in its original layout (sharded when ``max_shard_bytes`` is set)."""
+    from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     c: ModelConfig = model.config
     with open(os.path.join(path, "config.json"), "w") as f:
