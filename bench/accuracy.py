@@ -115,7 +115,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     from dllm_ops.decode import generate
     from dllm_ops.models import load
     from dllm_ops.policies import POLICIES, make_policy
-    from dllm_ops.tasks import BLOCK_LENGTH, GEN_LENGTH, exact_match, problems, task_names
+    from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
     bad = [c for c in caches if c not in POLICIES]
     if bad:
@@ -139,7 +139,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
         vanilla_tokens = None
         for cache, rule in modes:
             bar.set_postfix_str(f"{task} {cache} {_label(cache, rule)}")
-            kw = _decode_kwargs(model, rule, GEN_LENGTH, block_length)
+            kw = _decode_kwargs(model, rule, TASKS[task].gen_length, block_length)
             toks, calls, batch_calls, wall, n_tok = [], [], [], 0.0, 0
             for b in range(0, n, batch_size):
                 chunk = probs[b:b + batch_size]
@@ -161,7 +161,8 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                              accuracy=sum(correct) / n, nfe=float(torch.cat(calls).float().mean()),
                              nfe_batch=sum(batch_calls) / len(batch_calls), tokens_per_s=n_tok / wall,
                              agree_tok=agree_tok, agree_seq=agree_seq, seconds=wall,
-                             block_length=block_length, batch_size=batch_size))
+                             gen_length=TASKS[task].gen_length, block_length=block_length,
+                             batch_size=batch_size))
     bar.close()
     for cache, rule in modes:
         mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
@@ -169,7 +170,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                 for k in ("accuracy", "nfe", "nfe_batch", "agree_tok", "agree_seq")}
         secs = sum(r["seconds"] for r in mine)
         toks = sum(r["tokens_per_s"] * r["seconds"] for r in mine)
-        rows.append(dict(mine[0], task="all", n=n * len(mine), seconds=secs,
+        rows.append(dict(mine[0], task="all", gen_length=None, n=n * len(mine), seconds=secs,
                          tokens_per_s=toks / secs, **mean))
     return rows
 
@@ -214,7 +215,7 @@ def format_table(rows: list[dict]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llada", help="tiny-llada | tiny-dream | checkpoint folder")
-    p.add_argument("--task", default="all", help="all | add | sort | reverse | sub | a,b,...")
+    p.add_argument("--task", default="all", help="all | add | sort | scan | sub | a,b,...")
     p.add_argument("--n", type=int, default=500, help="held-out problems per task")
     p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES), help="cache modes besides vanilla")
     p.add_argument("--block-length", type=int, default=None, help="default 16")

@@ -65,11 +65,22 @@ def cmd_decode(args) -> int:
     import dllm_ops
 
     if args.task:
-        from bench.accuracy import run_accuracy
-        rows = run_accuracy(args.model, args.task, args.n, args.caches, args.block_length,
-                            args.threshold, args.seed)
+        from bench.accuracy import DEFAULT_CACHES, format_table, run_accuracy
+        if args.synthetic:
+            raise SystemExit("bench decode: --task needs a trained --model (random weights score 0)")
+        t0 = time.perf_counter()
+        rows = run_accuracy(args.model, args.task, args.n, args.caches or DEFAULT_CACHES,
+                            args.block_length, args.threshold if args.threshold > 0 else None,
+                            args.seed)
+        r0 = rows[0]
+        print(f"model={args.model} n={args.n}/task block={r0['block_length']} "
+              f"threshold={args.threshold} threads={torch.get_num_threads()} "
+              f"({time.perf_counter() - t0:.0f}s)")
+        print(format_table(rows))
         _write_csv(args.csv, rows)
         return 0
+    args.caches = args.caches or ["none", "prefix", "dual"]
+    args.block_length = args.block_length or 32
     torch.set_num_threads(args.threads or torch.get_num_threads())
     dtype = DTYPES[args.dtype]
     if args.synthetic:
@@ -138,16 +149,19 @@ def add_parser(sub) -> None:
     src.add_argument("--model", help="checkpoint folder, or a shipped name (tiny-llada, tiny-dream)")
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random weights at real layer shapes")
     p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
-    p.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
+    p.add_argument("--caches", nargs="+", default=None,
+                   help="cache modes (default none prefix dual; with --task also the diagnostic stale)")
     p.add_argument("--task", nargs="+", help="accuracy run on the task suite ('all' for every task)")
     p.add_argument("--n", type=int, default=500, help="problems per task with --task")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-length", type=int, default=256)
     p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--block-length", type=int, default=None,
+                   help="default 32 (with --task: the suite's 16)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--unmask", default="threshold", choices=["topk", "threshold", "factor"])
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="with --task: the cached modes' threshold (<= 0: one token per call)")
     p.add_argument("--max-blocks", type=int, default=None,
                    help="decode only the first N blocks (cost measurements on slow machines)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

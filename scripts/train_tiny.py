@@ -5,8 +5,9 @@ the initialisation; torch runs on 2 threads with deterministic algorithms.
 
 Objective (masked diffusion, LLaDA SFT): every sequence is
 ``<bos> prompt | answer <eos>...`` with the answer padded with EOS to its
-task's generation length. Each batch holds one task (the tasks take turns, so
-batches need no padding between generation lengths). Per sequence a ratio t ~ U(eps, 1) is drawn (stratified
+task's generation length. Every optimizer step sums the losses of one
+micro-batch per task (each at its own length, so nothing is padded to the
+longest task), so each update sees every task. Per sequence a ratio t ~ U(eps, 1) is drawn (stratified
 over the batch, which keeps each t uniform while lowering the variance),
 each answer token is masked with probability t, the prompt is never masked,
 and the loss is the cross-entropy on masked tokens weighted by 1/t, divided by
@@ -54,7 +55,7 @@ PRESETS = {
     "tiny-dream": dict(arch="dream", hidden=128, layers=4, heads=4, kv_heads=2, inter=384,
                        qkv_bias=True, rms_eps=1e-6, rope_theta=10000.0),
 }
-RECIPE = dict(steps=4000, batch=32, lr=1e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
+RECIPE = dict(steps=1500, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
               eval_every=50)
 # How far python_tests/test_tiny_models.py re-runs the recorded training.
 REPRO_STEPS = 100
@@ -174,10 +175,10 @@ def heldout_loss(model, batches) -> dict[str, float]:
 
 
 def train(preset: dict, recipe: dict, out: str | None, log_every: int = 50, acc_n: int = 0,
-          stop_after: int | None = None, probe_every: int = 0,
-          progress=lambda s: print(s, flush=True)) -> dict:
+          stop_after: int | None = None, probe_every: int = 0, tasks: list[str] | None = None,
+          threads: int = 2, progress=lambda s: print(s, flush=True)) -> dict:
     """Train one model; `stop_after` ends the run early on the full run's schedule."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     torch.manual_seed(recipe["seed"])
     torch.use_deterministic_algorithms(True)
     cfg = model_config(preset)
@@ -198,23 +199,25 @@ def train(preset: dict, recipe: dict, out: str | None, log_every: int = 50, acc_
 
     rng = random.Random(recipe["seed"])
     gen = torch.Generator().manual_seed(recipe["seed"])
-    names = list(TASKS)
+    names = tasks or list(TASKS)
     held = heldout_batches(recipe["seed"])
     log = dict(preset=preset, recipe=recipe, torch=torch.__version__, train=[], heldout=[],
                heldout_initial=heldout_loss(model, held)["all"])
     t0, c0 = time.perf_counter(), time.process_time()
     run = 0.0
     for s in range(steps if stop_after is None else min(steps, stop_after)):
-        task = names[s % len(names)]
-        batch = [sample(task, rng, "train") for _ in range(recipe["batch"])]
-        loss = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"]))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for task in names:  # one micro-batch per task, gradients accumulated
+            batch = [sample(task, rng, "train") for _ in range(recipe["batch"])]
+            part = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"])) / len(names)
+            part.backward()
+            loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for g in opt.param_groups:
             g["lr"] = lr_at(s)
         opt.step()
-        run += loss.item()
+        run += float(loss)
         if (s + 1) % log_every == 0:
             log["train"].append(dict(step=s + 1, loss=run / log_every, seconds=time.perf_counter() - t0))
             run = 0.0
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
                    help="also log a quick dense-decode accuracy every this many steps")
     p.add_argument("--acc-n", type=int, default=100,
                    help="held-out problems per task for the final dense-decode accuracy (0: skip)")
+    p.add_argument("--tasks", help="train on these tasks only (experiments)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the shipped runs use 2)")
     p.add_argument("--arch-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override preset fields (experiments; the shipped runs use none)")
     a = p.parse_args(argv)
@@ -267,7 +272,8 @@ def main(argv=None) -> int:
         k, v = kv.split("=")
         preset[k] = type(preset[k])(v)
     out = None if a.out == "-" else a.out or os.path.join(CKPT_DIR, a.model)
-    log = train(preset, recipe, out, acc_n=a.acc_n, probe_every=a.probe_every)
+    log = train(preset, recipe, out, acc_n=a.acc_n, probe_every=a.probe_every,
+                tasks=a.tasks.split(",") if a.tasks else None, threads=a.threads)
     print(f"trained {a.model} in {log['train_seconds']:.0f}s" + (f" -> {out}" if out else ""))
     return 0
 
