@@ -72,7 +72,9 @@ setup(
     name="dllm_ops",
     version="0.1.0",
     description="Fast diffusion-LLM inference kernels for PyTorch (d2Cache, DARE, dLLM-KVQ)",
-    packages=find_packages(include=["dllm_ops", "dllm_ops.*", "bench"]),
+    packages=find_packages(include=["dllm_ops", "dllm_ops.*", "bench", "bench.*"]),
+    # The shipped tiny models (weights, tokenizer, training log).
+    package_data={"dllm_ops": ["checkpoints/*/*"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",

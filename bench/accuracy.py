@@ -215,7 +215,7 @@ def format_table(rows: list[dict]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llada", help="tiny-llada | tiny-dream | checkpoint folder")
-    p.add_argument("--task", default="all", help="all | add | sort | scan | sub | a,b,...")
+    p.add_argument("--task", default="all", help="all | add | scan | sub | a,b,...")
     p.add_argument("--n", type=int, default=500, help="held-out problems per task")
     p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES), help="cache modes besides vanilla")
     p.add_argument("--block-length", type=int, default=None, help="default 16")

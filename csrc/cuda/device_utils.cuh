@@ -42,6 +42,13 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
 // Threads per block for a row-per-block reduction over `n` elements: enough
 // warps to keep loads in flight, never more than the row can use.
 inline int row_block_threads(int64_t n) {

@@ -12,6 +12,7 @@
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
 #include "common/quant_math.h"
 #include "common/sparse_kv_math.h"
+#include "cuda/attention_tile.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -53,13 +54,6 @@ struct PackedV {
   int bits, G, n_groups;
   int64_t row_bytes;
 };
-
-__device__ __forceinline__ float warp_max_f(float v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
-}
 
 __device__ __forceinline__ void report(int* status, int bits) {
   if (bits) atomicOr(status, bits);
@@ -424,30 +418,17 @@ void launch_dequantize_v(PackedV<T> pv, T* out, int64_t n_rows, int d, stream_t 
 // ============================================================================
 // quant_attention
 // ============================================================================
-// Rows: for batch b and KV head kvh, row r = qi * G + g is query qi of head
-// kvh * G + g (G = H / H_kv). A block of 4 warps owns kRowsPerWarp rows per
-// warp and streams the keys in tiles of kKeys. Each tile is dequantized into
-// shared memory (fp32 holding the dtype-rounded dequantized values, or the
-// protected tokens' stored values), then: lane l scores key t0 + l, the warp
-// updates each row's online-softmax state (math::SoftmaxState) and rescales
-// its fp32 output accumulator, and adds p_t * V[t] (lane l owns output dims
-// l, l + 32, ...). Blocks with blockIdx.x == 0 also validate prot_idx of
-// their (b, kvh).
-
-template <int DCH>
-struct QAttnTile {
-  static constexpr int kRowsPerWarp = DCH <= 4 ? 4 : 2;
-  static constexpr int kKeys = DCH <= 4 ? 32 : 16;
-  static constexpr int kRows = kWarps * kRowsPerWarp;
-  static constexpr int kDim = DCH * kWarp;
-};
+// Tiling and the online softmax as sparse_attention (cuda/attention_tile.cuh);
+// each tile of keys is dequantized into shared memory first (fp32 holding the
+// dtype-rounded dequantized values, or the protected tokens' stored values).
+// Blocks with blockIdx.x == 0 also validate prot_idx of their (b, kvh).
 
 template <typename T, int DCH>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kAttnThreads)
     quant_attention_kernel(const T* __restrict__ q, PackedK<T> pk, PackedV<T> pv,
                            const bool* __restrict__ key_valid, float scale, T* __restrict__ out,
                            int* __restrict__ status, int Q, int H, int H_kv, int T_len, int d) {
-  using Tile = QAttnTile<DCH>;
+  using Tile = AttnTile<DCH>;
   constexpr int RW = Tile::kRowsPerWarp, BK = Tile::kKeys, R = Tile::kRows, DM = Tile::kDim;
   __shared__ float qs[R][DM];
   __shared__ float ks[BK][DM + 1];  // +1: lanes read different keys, conflict-free
@@ -468,19 +449,9 @@ __global__ void __launch_bounds__(kThreads)
         bad = math::kQuantBadProtIdx;
     report(status, bad);
   }
-  for (int e = threadIdx.x; e < R * d; e += blockDim.x) {
-    const int rr = e / d, i = e % d, r = row0 + rr;
-    qs[rr][i] = r < n_rows ? to_float(q[((b * Q + r / G) * H + kvh * G + r % G) * d + i]) : 0.f;
-  }
-
-  math::SoftmaxState st[RW];
-  float acc[RW][DCH];
-#pragma unroll
-  for (int w = 0; w < RW; ++w) {
-    st[w] = math::softmax_state_empty();
-#pragma unroll
-    for (int c = 0; c < DCH; ++c) acc[w][c] = 0.f;
-  }
+  load_query_rows(qs, q, b, kvh, row0, n_rows, Q, H, G, d);
+  WarpRows<RW, DCH> rows;
+  rows.init();
 
   for (int t0 = 0; t0 < T_len; t0 += BK) {
     __syncthreads();  // the previous tile is fully consumed (and qs is loaded)
@@ -514,34 +485,13 @@ __global__ void __launch_bounds__(kThreads)
       vs[kk][i] = vx;
     }
     __syncthreads();
-    const int tk = t0 + lane;
-    const bool key_ok =
-        lane < BK && tk < T_len && (key_valid == nullptr || key_valid[b * T_len + tk]);
+    const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
 #pragma unroll
     for (int w = 0; w < RW; ++w) {
       const int rr = warp * RW + w;
       if (row0 + rr >= n_rows) break;  // warp-uniform
-      float s = -INFINITY;
-      if (key_ok) {
-        float dot = 0.f;
-        for (int i = 0; i < d; ++i) dot += qs[rr][i] * ks[lane][i];
-        s = dot * scale;
-      }
-      const float m_new = fmaxf(st[w].m, warp_max_f(s));
-      const float corr = math::softmax_rescale(st[w].m, m_new);
-      const float p = math::softmax_weight(s, m_new);
-      st[w].l = st[w].l * corr + warp_sum(p);
-      st[w].m = m_new;
-#pragma unroll
-      for (int c = 0; c < DCH; ++c) acc[w][c] *= corr;
-      for (int kk = 0; kk < BK; ++kk) {
-        const float pk_ = __shfl_sync(kFullMask, p, kk);
-#pragma unroll
-        for (int c = 0; c < DCH; ++c) {
-          const int i = lane + c * kWarp;
-          if (i < d) acc[w][c] += pk_ * vs[kk][i];
-        }
-      }
+      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
+      rows.template fold<BK>(w, s, vs, d, lane);
     }
   }
 
@@ -549,13 +499,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int w = 0; w < RW; ++w) {
     const int r = row0 + warp * RW + w;
     if (r >= n_rows) break;
-    const int64_t o = (b * Q + r / G) * H + kvh * G + r % G;
-    const float inv = math::softmax_inv_sum(st[w].l);
-#pragma unroll
-    for (int c = 0; c < DCH; ++c) {
-      const int i = lane + c * kWarp;
-      if (i < d) out[o * d + i] = from_float<T>(acc[w][c] * inv);
-    }
+    rows.store(w, out + attn_row_offset(b, r, Q, H, G, kvh) * d, d, lane);
   }
 }
 
@@ -563,12 +507,12 @@ template <typename T, int DCH>
 void launch_quant_attention_d(const T* q, PackedK<T> pk, PackedV<T> pv, const bool* key_valid,
                               float scale, T* out, int* status, int B, int Q, int H, int H_kv,
                               int T_len, int d, stream_t stream) {
-  using Tile = QAttnTile<DCH>;
+  using Tile = AttnTile<DCH>;
   const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
   const dim3 grid(static_cast<unsigned>((rows + Tile::kRows - 1) / Tile::kRows),
                   static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
   const auto kernel = quant_attention_kernel<T, DCH>;  // a template-id with a comma is no macro arg
-  DLLM_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, q, pk, pv, key_valid, scale, out, status, Q,
+  DLLM_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, q, pk, pv, key_valid, scale, out, status, Q,
               H, H_kv, T_len, d);
 }
 

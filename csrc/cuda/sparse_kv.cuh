@@ -5,18 +5,12 @@
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
 #include "common/sparse_kv_math.h"
+#include "cuda/attention_tile.cuh"
 
 #include <cstdint>
 
 namespace dllm {
 namespace cuda {
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
-}
 
 // ============================================================================
 // Index validation
@@ -136,40 +130,9 @@ void launch_rope_scatter_kv(T* q, const T* k, const T* v, const int64_t* pos, co
 // ============================================================================
 // sparse_attention
 // ============================================================================
-// Rows: for batch b and KV head kvh, row r = qi * G + g is query qi of head
-// kvh * G + g (G = H / H_kv), so the G heads sharing a KV head read each K/V
-// tile from shared memory once. A block of 4 warps owns kRowsPerWarp rows per
-// warp and streams the keys in tiles of kKeys:
-//   lane l scores key t0 + l  (a d-long fp32 dot product from shared memory),
-//   the warp updates each row's online-softmax state (max m, sum l) and
-//   rescales its fp32 output accumulator, then adds p_t * V[t] for the tile
-//   (lane l owns output dims l, l + 32, ...).
+// Tiling and the online softmax: cuda/attention_tile.cuh.
 // With stats != nullptr the final (m, l) of each (b, q, h) are stored so the
 // probabilities kernel can normalise recomputed scores exactly.
-
-constexpr int kAttnWarps = 4;
-constexpr int kAttnThreads = kAttnWarps * kWarp;
-
-// Tile sizes per head-dim class: DCH = ceil(d / 32) chunks of 32 dims.
-template <int DCH>
-struct AttnTile {
-  static constexpr int kRowsPerWarp = DCH <= 4 ? 4 : 2;
-  static constexpr int kKeys = DCH <= 4 ? 32 : 16;
-  static constexpr int kRows = kAttnWarps * kRowsPerWarp;
-  static constexpr int kDim = DCH * kWarp;
-};
-
-// scale * (q . k); shared by both kernels so recomputed scores are identical.
-__device__ __forceinline__ float score_dot(const float* q, const float* k, int d, float scale) {
-  float s = 0.f;
-  for (int i = 0; i < d; ++i) s += q[i] * k[i];
-  return s * scale;
-}
-
-__device__ __forceinline__ bool key_is_valid(const bool* key_valid, int64_t b, int64_t T,
-                                             int64_t t) {
-  return t < T && (key_valid == nullptr || key_valid[b * T + t]);
-}
 
 template <typename T, int DCH>
 __global__ void __launch_bounds__(kAttnThreads)
@@ -188,21 +151,12 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int row0 = blockIdx.x * R, n_rows = Q * G;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 
-  for (int e = threadIdx.x; e < R * d; e += blockDim.x) {
-    const int rr = e / d, i = e % d, r = row0 + rr;
-    qs[rr][i] = r < n_rows ? to_float(q[((b * Q + r / G) * H + kvh * G + r % G) * d + i]) : 0.f;
-  }
+  load_query_rows(qs, q, b, kvh, row0, n_rows, Q, H, G, d);
   const T* K = kc + (b * H_kv + kvh) * static_cast<int64_t>(T_len) * d;
   const T* V = vc + (b * H_kv + kvh) * static_cast<int64_t>(T_len) * d;
 
-  math::SoftmaxState st[RW];
-  float acc[RW][DCH];
-#pragma unroll
-  for (int w = 0; w < RW; ++w) {
-    st[w] = math::softmax_state_empty();
-#pragma unroll
-    for (int c = 0; c < DCH; ++c) acc[w][c] = 0.f;
-  }
+  WarpRows<RW, DCH> rows;
+  rows.init();
 
   for (int t0 = 0; t0 < T_len; t0 += BK) {
     __syncthreads();  // the previous tile is fully consumed (and qs is loaded)
@@ -219,21 +173,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       const int rr = warp * RW + w;
       if (row0 + rr >= n_rows) break;  // warp-uniform
       const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
-      const float m_new = fmaxf(st[w].m, warp_max(s));
-      const float corr = math::softmax_rescale(st[w].m, m_new);
-      const float p = math::softmax_weight(s, m_new);
-      st[w].l = st[w].l * corr + warp_sum(p);
-      st[w].m = m_new;
-#pragma unroll
-      for (int c = 0; c < DCH; ++c) acc[w][c] *= corr;
-      for (int kk = 0; kk < BK; ++kk) {
-        const float pk = __shfl_sync(kFullMask, p, kk);
-#pragma unroll
-        for (int c = 0; c < DCH; ++c) {
-          const int i = lane + c * kWarp;
-          if (i < d) acc[w][c] += pk * vs[kk][i];
-        }
-      }
+      rows.template fold<BK>(w, s, vs, d, lane);
     }
   }
 
@@ -241,18 +181,11 @@ __global__ void __launch_bounds__(kAttnThreads)
   for (int w = 0; w < RW; ++w) {
     const int r = row0 + warp * RW + w;
     if (r >= n_rows) break;
-    const int64_t qi = r / G;
-    const int h = kvh * G + r % G;
-    const int64_t o = ((b * Q + qi) * H + h);
-    const float inv = math::softmax_inv_sum(st[w].l);
-#pragma unroll
-    for (int c = 0; c < DCH; ++c) {
-      const int i = lane + c * kWarp;
-      if (i < d) out[o * d + i] = from_float<T>(acc[w][c] * inv);
-    }
+    const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
+    rows.store(w, out + o * d, d, lane);
     if (stats && lane == 0) {
-      stats[o * 2] = st[w].m;
-      stats[o * 2 + 1] = st[w].l;
+      stats[o * 2] = rows.st[w].m;
+      stats[o * 2 + 1] = rows.st[w].l;
     }
   }
 }

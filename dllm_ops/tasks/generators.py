@@ -8,7 +8,6 @@ answers still vary in length, and the decoder must find where each one ends.
 
 - add:  multi-digit addition, digits least-significant first (the order a
         carry flows in): 347 + 59 is "add 7 4 3 _ .. + 9 5 _ .. =" -> "6 0 4".
-- sort: the digits in ascending order.
 - scan: running sums mod 10: "scan 3 4 5 _ .. =" -> "3 7 2".
 - sub:  copy the list, replacing every occurrence of one digit by another:
         "sub 3 7 : 1 3 3 5 _ .. =" -> "1 7 7 5".
@@ -16,7 +15,7 @@ answers still vary in length, and the decoder must find where each one ends.
 `add` and `scan` answers are sequential: a token is easy once the token
 before it is decoded (the carry or the running sum is then local) and hard in
 one shot, so decoding that cannot see its own commits (a stale cache) fails.
-`sort` counts over the whole list; `sub` has the longest answers.
+`sub` can be answered in one shot and has the longest answers.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ FILL = "_"
 
 # (min, max) items; the field width is the max. Answers span 4..40 tokens.
 ADD_DIGITS = (4, 10)   # answers of 4..11 digits
-SORT_LEN = (4, 16)
 SCAN_LEN = (4, 24)
 SUB_LEN = (4, 40)
 
@@ -54,11 +52,6 @@ def make_add(rng: random.Random) -> tuple[list[str], list[str]]:
     b = _number_lsb_first(rng, rng.randint(*ADD_DIGITS))
     answer = list(reversed(str(_value(a) + _value(b))))
     return (["add", *_field(a, w), "+", *_field(b, w), "="], answer)
-
-
-def make_sort(rng: random.Random) -> tuple[list[str], list[str]]:
-    xs = _digits(rng, rng.randint(*SORT_LEN))
-    return (["sort", *_field(xs, SORT_LEN[1]), "="], [str(d) for d in sorted(xs)])
 
 
 def make_scan(rng: random.Random) -> tuple[list[str], list[str]]:

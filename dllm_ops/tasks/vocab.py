@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..tokenizer import word_level_tokenizer
 
 DIGITS = [str(d) for d in range(10)]
-KEYWORDS = ["add", "sort", "scan", "sub", "+", ":", "=", "_"]
+KEYWORDS = ["add", "scan", "sub", "+", ":", "=", "_"]
 WORDS = DIGITS + KEYWORDS
 
 # One-turn chat template for the word-level models: the prompt text is used as is.
