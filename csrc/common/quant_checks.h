@@ -83,6 +83,31 @@ inline QuantKShape check_quantize_k(const at::Tensor& k, int64_t bits, int64_t g
 }
 
 // k_quant_error(k [B, H_kv, T, d], bits, group)
+// The outputs of quantize_k, allocated like `k` (codes and prot_idx as uint8),
+// and the fp32 importance the kernels read (undefined when p == 0), shared by
+// the CPU and CUDA glue.
+struct QuantKOutputs {
+  at::Tensor codes, scale, mn, prot_idx, prot_val;
+  at::Tensor importance;     // [B, H, T] or [B, T] fp32 contiguous, or undefined
+  int importance_per_head = 0;
+};
+
+inline QuantKOutputs prepare_quantize_k(const QuantKShape& s, const at::Tensor& k,
+                                        const std::optional<at::Tensor>& importance) {
+  QuantKOutputs o;
+  const auto bytes = k.options().dtype(at::kByte);
+  o.codes = at::empty({s.B, s.H, s.rows, s.d}, bytes);
+  o.scale = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
+  o.mn = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
+  o.prot_idx = at::empty({s.B, s.H, s.n_groups, s.p}, bytes);
+  o.prot_val = at::empty({s.B, s.H, s.n_groups, s.p, s.d}, k.options());
+  if (s.p > 0) {
+    o.importance = importance->to(at::kFloat).contiguous();
+    o.importance_per_head = o.importance.dim() == 3 ? 1 : 0;
+  }
+  return o;
+}
+
 inline QuantKShape check_k_quant_error(const at::Tensor& k, int64_t bits, int64_t group) {
   constexpr const char* op = "k_quant_error";
   check_dim(k, 4, op, "k ([B, H_kv, T, d])");

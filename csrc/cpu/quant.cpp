@@ -179,30 +179,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   constexpr const char* op = "quantize_k";
   const QuantKShape s = check_quantize_k(k, bits, group, protect_p, importance);
   const auto kc = k.contiguous();
-  at::Tensor imp;
-  int64_t imp_per_head = 0;
-  if (protect_p > 0) {
-    imp = importance->to(at::kFloat).contiguous();
-    imp_per_head = imp.dim() == 3 ? 1 : 0;
-  }
-  auto codes = at::empty({s.B, s.H, s.rows, s.d}, k.options().dtype(at::kByte));
-  auto scale = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
-  auto mn = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
-  auto prot_idx = at::empty({s.B, s.H, s.n_groups, s.p}, k.options().dtype(at::kByte));
-  auto prot_val = at::empty({s.B, s.H, s.n_groups, s.p, s.d}, k.options());
+  const QuantKOutputs o = prepare_quantize_k(s, k, importance);
   Status status;
   if (s.B * s.H * s.n_groups > 0) {
     DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::quantize_k", [&] {
-      quantize_k_kernel<scalar_t>(s, kc.const_data_ptr<scalar_t>(),
-                                  imp.defined() ? imp.const_data_ptr<float>() : nullptr,
-                                  imp_per_head, codes.mutable_data_ptr<uint8_t>(),
-                                  scale.mutable_data_ptr<scalar_t>(), mn.mutable_data_ptr<scalar_t>(),
-                                  prot_idx.mutable_data_ptr<uint8_t>(),
-                                  prot_val.mutable_data_ptr<scalar_t>(), status);
+      quantize_k_kernel<scalar_t>(
+          s, kc.const_data_ptr<scalar_t>(),
+          o.importance.defined() ? o.importance.const_data_ptr<float>() : nullptr,
+          o.importance_per_head, o.codes.mutable_data_ptr<uint8_t>(),
+          o.scale.mutable_data_ptr<scalar_t>(), o.mn.mutable_data_ptr<scalar_t>(),
+          o.prot_idx.mutable_data_ptr<uint8_t>(), o.prot_val.mutable_data_ptr<scalar_t>(), status);
     });
   }
   throw_quant_status(op, status.get());
-  return {codes, scale, mn, prot_idx, prot_val};
+  return {o.codes, o.scale, o.mn, o.prot_idx, o.prot_val};
 }
 
 // One row of dequantized values: code j of byte c (at bit `shift`) under the

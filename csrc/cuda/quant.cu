@@ -42,32 +42,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   check_kernel_device(k, op, "k");
   DLLM_CUDA_GUARD(k);
   const auto kc = k.contiguous();
-  at::Tensor imp;
-  int imp_per_head = 0;
-  if (protect_p > 0) {
-    imp = importance->to(at::kFloat).contiguous();
-    imp_per_head = imp.dim() == 3 ? 1 : 0;
-  }
-  auto codes = at::empty({s.B, s.H, s.rows, s.d}, k.options().dtype(at::kByte));
-  auto scale = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
-  auto mn = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
-  auto prot_idx = at::empty({s.B, s.H, s.n_groups, s.p}, k.options().dtype(at::kByte));
-  auto prot_val = at::empty({s.B, s.H, s.n_groups, s.p, s.d}, k.options());
-  if (s.B * s.H * s.n_groups == 0) return {codes, scale, mn, prot_idx, prot_val};
+  const QuantKOutputs o = prepare_quantize_k(s, k, importance);
+  if (s.B * s.H * s.n_groups == 0) return {o.codes, o.scale, o.mn, o.prot_idx, o.prot_val};
   auto status = new_status(k);
   DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::quantize_k", [&] {
     cuda::quant::launch_quantize_k(
-        kernel_ptr<scalar_t>(kc), imp.defined() ? imp.const_data_ptr<float>() : nullptr,
-        imp_per_head, codes.mutable_data_ptr<uint8_t>(), kernel_mut_ptr<scalar_t>(scale),
-        kernel_mut_ptr<scalar_t>(mn), prot_idx.mutable_data_ptr<uint8_t>(),
-        kernel_mut_ptr<scalar_t>(prot_val), status.mutable_data_ptr<int>(), s.B,
+        kernel_ptr<scalar_t>(kc),
+        o.importance.defined() ? o.importance.const_data_ptr<float>() : nullptr,
+        o.importance_per_head, o.codes.mutable_data_ptr<uint8_t>(),
+        kernel_mut_ptr<scalar_t>(o.scale), kernel_mut_ptr<scalar_t>(o.mn),
+        o.prot_idx.mutable_data_ptr<uint8_t>(), kernel_mut_ptr<scalar_t>(o.prot_val),
+        status.mutable_data_ptr<int>(), s.B,
         static_cast<int>(s.H), static_cast<int>(s.T), static_cast<int>(s.d),
         static_cast<int>(s.G), static_cast<int>(s.bits), static_cast<int>(s.p),
         DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
   throw_quant_status(op, status.item<int>());
-  return {codes, scale, mn, prot_idx, prot_val};
+  return {o.codes, o.scale, o.mn, o.prot_idx, o.prot_val};
 }
 
 at::Tensor dequantize_k_cuda(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
