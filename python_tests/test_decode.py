@@ -109,6 +109,24 @@ def test_cache_modes_cost_less(llada):
     assert stats["dual"]["tokens_recomputed"] < stats["prefix"]["tokens_recomputed"]
 
 
+def test_cache_modes_run_exactly_the_expected_tokens(llada):
+    """Tokens run per call, hence the FLOP ratios, are Fast-dLLM's: vanilla runs
+    the whole canvas every call; prefix and dual run it at each block start,
+    then prefix runs the block and everything after it, dual the block only."""
+    _, model, _ = llada
+    L, G, K, steps = len(PROMPTS[1]), 32, 8, 32
+    per_block = steps // (G // K)
+    kw = dict(gen_length=G, block_length=K, steps=steps, stop_at_eos=False)
+    want = {"none": [L + G] * steps, "prefix": [], "dual": []}
+    for b in range(G // K):
+        want["prefix"] += [L + G] + [G - b * K] * (per_block - 1)
+        want["dual"] += [L + G] + [K] * (per_block - 1)
+    for cache, runs in want.items():
+        s = dllm_ops.generate(model, PROMPTS[1], cache=cache, **kw).stats
+        assert s["recomputed_per_step"] == runs, cache
+        assert s["tokens_recomputed"] == sum(runs) * model.config.n_layers
+
+
 def test_stop_at_eos_keeps_every_token_before_eos(llada):
     _, model, _ = llada
     eos = model.config.eos_id
