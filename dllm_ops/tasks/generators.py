@@ -10,7 +10,10 @@ answers still vary in length, and the decoder must find where each one ends.
         carry flows in): 347 + 59 is "add 7 4 3 _ .. + 9 5 _ .. =" -> "6 0 4".
 - scan: running sums mod 10: "scan 3 4 5 _ .. =" -> "3 7 2".
 - sub:  copy the list, replacing every occurrence of one digit by another:
-        "sub 3 7 : 1 3 3 5 _ .. =" -> "1 7 7 5".
+        "sub s3 d7 : 1 3 3 5 _ .. =" -> "1 7 7 5". The rule's digits have
+        their own words (s0..s9, d0..d9): a RoPE-only model then finds them by
+        content in one hop; written as plain digits at fixed absolute
+        positions, the replacement digit was the part the models failed to read.
 
 `add` and `scan` answers are sequential: a token is easy once the token
 before it is decoded (the carry or the running sum is then local) and hard in
@@ -71,4 +74,4 @@ def make_sub(rng: random.Random) -> tuple[list[str], list[str]]:
     for i in rng.sample(range(n), rng.randint(1, max(1, n // 5))):
         xs[i] = src
     ys = [str(dst if d == src else d) for d in xs]
-    return (["sub", str(src), str(dst), ":", *_field(xs, SUB_LEN[1]), "="], ys)
+    return (["sub", f"s{src}", f"d{dst}", ":", *_field(xs, SUB_LEN[1]), "="], ys)

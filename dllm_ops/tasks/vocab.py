@@ -5,7 +5,8 @@ from ..tokenizer import word_level_tokenizer
 
 DIGITS = [str(d) for d in range(10)]
 KEYWORDS = ["add", "scan", "sub", "+", ":", "=", "_"]
-WORDS = DIGITS + KEYWORDS
+RULE_WORDS = [f"s{d}" for d in range(10)] + [f"d{d}" for d in range(10)]  # sub's rule
+WORDS = DIGITS + KEYWORDS + RULE_WORDS
 
 # One-turn chat template for the word-level models: the prompt text is used as is.
 CHAT_TEMPLATE = ("<bos>{% for m in messages %} {{ m['content'] }}{% endfor %}")
