@@ -170,6 +170,7 @@ def test_task_names():
     assert task_names("all") == list(TASKS)
     assert task_names("add,sub") == ["add", "sub"]
     assert task_names(["scan"]) == ["scan"]
+    assert task_names(["all"]) == list(TASKS)   # `bench decode --task all` passes a list
     with pytest.raises(ValueError, match="unknown task"):
         task_names("add,mul")
     with pytest.raises(ValueError, match="unknown split"):

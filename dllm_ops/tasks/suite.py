@@ -63,7 +63,9 @@ def _problem(task: str, prompt_words: list[str], answer_words: list[str]) -> Pro
 
 def task_names(spec: str | Sequence[str] = "all") -> list[str]:
     """"all", one name, a comma-separated list or a sequence of names -> validated names."""
-    names = list(TASKS) if spec == "all" else spec.split(",") if isinstance(spec, str) else list(spec)
+    if not isinstance(spec, str):
+        spec = ",".join(spec)   # e.g. ["all"] or ["add", "sub"] from a command line
+    names = list(TASKS) if spec == "all" else spec.split(",")
     bad = [n for n in names if n not in TASKS]
     if bad:
         raise ValueError(f"dllm_ops.tasks: unknown task(s) {bad}; choose from {sorted(TASKS)} or 'all'")
