@@ -37,7 +37,7 @@ def _solve(prompt: str) -> list[str]:
         b = int("".join(reversed(_items(body[plus + 1:]))))
         return list(str(a + b))[::-1]
     if op == "scan":
-        assert len(body) == 24
+        assert len(body) == 15
         out, s = [], 0
         for d in _digits(_items(body)):
             s += d

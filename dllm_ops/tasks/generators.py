@@ -28,7 +28,7 @@ FILL = "_"
 
 # (min, max) items; the field width is the max. Answers span 4..40 tokens.
 ADD_DIGITS = (4, 10)   # answers of 4..11 digits
-SCAN_LEN = (4, 24)
+SCAN_LEN = (4, 15)
 SUB_LEN = (4, 40)
 
 

@@ -32,7 +32,7 @@ class Task:
 
 TASKS: dict[str, Task] = {t.name: t for t in [
     Task("add", generators.make_add, "multi-digit addition, least significant digit first", 16),
-    Task("scan", generators.make_scan, "running sums mod 10", 32),
+    Task("scan", generators.make_scan, "running sums mod 10", 16),
     Task("sub", generators.make_sub, "copy a digit list, substituting one digit", 48),
 ]}
 
