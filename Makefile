@@ -65,8 +65,9 @@ sanitize: venv
 demo: build
 	$(VPY) -m bench decode --model tiny-llada --task all --n 500
 
-# Re-train the shipped tiny models (dllm_ops/checkpoints/README.md): both at
-# once, one core each; the llada log goes to build/train-tiny-llada.log.
+# Re-train the shipped tiny models into dllm_ops/checkpoints, overwriting them
+# (dllm_ops/checkpoints/README.md): both at once, one core each; the llada
+# log goes to build/train-tiny-llada.log.
 tiny-models: build
 	mkdir -p build
 	$(VPY) scripts/train_tiny.py --model tiny-llada > build/train-tiny-llada.log 2>&1 & a=$$!; \
