@@ -237,18 +237,18 @@ def _train(preset: dict, recipe: dict, out: str | None, threads: int, log_every:
     rng = random.Random(recipe["seed"])
     gen = torch.Generator().manual_seed(recipe["seed"])
     names = tasks or list(TASKS)
-    total_w = sum(TASK_WEIGHTS.get(t, 1) for t in names)
+    weights = {t: TASK_WEIGHTS.get(t, 1) for t in names}
+    total_w = sum(weights.values())
     held = heldout_batches(recipe["seed"])
     log = dict(preset=preset, recipe=recipe, torch=torch.__version__, threads=threads,
-               task_weights={t: TASK_WEIGHTS.get(t, 1) for t in names}, train=[], heldout=[],
+               task_weights=weights, train=[], heldout=[],
                heldout_initial=heldout_loss(model, held)["all"])
     t0, c0 = time.perf_counter(), time.process_time()
     run = 0.0
     for s in range(steps if stop_after is None else min(steps, stop_after)):
         opt.zero_grad(set_to_none=True)
         loss = 0.0
-        for task in names:  # one micro-batch per task, gradients accumulated
-            w = TASK_WEIGHTS.get(task, 1)
+        for task, w in weights.items():  # one micro-batch per task, gradients accumulated
             batch = [sample(task, rng, "train") for _ in range(round(recipe["batch"] * w))]
             part = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"])) * w / total_w
             part.backward()
@@ -308,9 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override preset fields (experiments; the shipped runs use none)")
     a = p.parse_args(argv)
-    recipe = {k: getattr(a, k) for k in RECIPE}
-    if a.seed is None:
-        recipe["seed"] = SEEDS[a.model]
+    recipe = dict(recipe_of(a.model), **{k: getattr(a, k) for k in RECIPE if getattr(a, k) is not None})
     preset = dict(PRESETS[a.model])
     for kv in a.arch_set:
         k, v = kv.split("=")
