@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ops
+
 
 @dataclass
 class StepPlan:
@@ -69,6 +71,19 @@ class KVCache:
     key_valid: torch.Tensor
     positions: torch.Tensor
     probs: list[torch.Tensor] = field(default_factory=list)
+
+    # Storage hooks: the model writes and reads a layer's K/V only through these
+    # two methods, so a cache that stores part of the canvas differently (e.g.
+    # packed 2/4-bit, dllm_ops.quant) plugs in by overriding them.
+    def write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              positions: torch.Tensor, rope_table: torch.Tensor, idx: torch.Tensor) -> None:
+        """RoPE on ``q`` (in place) and ``k``; rotated K and raw V stored at canvas ``idx``."""
+        ops.rope_scatter_kv(q, k, v, positions, rope_table, self.k[layer], self.v[layer], idx)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, return_probs: bool = False):
+        """Exact softmax attention of post-RoPE ``q [B, Q, H, d]`` over every valid cached key;
+        returns ``(out [B, Q, H, d], probs [B, Q, T] or empty)``."""
+        return ops.sparse_attention(q, self.k[layer], self.v[layer], self.key_valid, scale, return_probs)
 
     @staticmethod
     def empty(n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int,

@@ -144,13 +144,13 @@ class DiffusionLM(nn.Module):
         table = self.rope_table()
         scale = c.head_dim ** -0.5
         cache.probs = []
-        for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+        for li, layer in enumerate(self.layers):
             a = layer.attn_norm(h)
             q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
             k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
             v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
-            ops.rope_scatter_kv(q, k, v, pos, table, kc, vc, idx)
-            out, probs = ops.sparse_attention(q, kc, vc, cache.key_valid, scale, return_probs)
+            cache.write(li, q, k, v, pos, table, idx)
+            out, probs = cache.attend(li, q, scale, return_probs)
             if return_probs:
                 cache.probs.append(probs)
             h = h + layer.o(out.reshape(B, Q, c.n_heads * c.head_dim))
