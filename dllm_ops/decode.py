@@ -13,8 +13,11 @@ Semantics reproduced (see shared/reference/fastdllm_llada_dream.md):
   every masked token with confidence >= tau plus the argmax; "factor" is the
   ``1 - f/(n+1)`` rule.
 - Dream: logits are shifted by one position (token j is predicted from the
-  hidden state at j-1); the block-start call commits only the token at the
-  block start (its argmax); later steps follow the chosen `alg`.
+  hidden state at j-1). With a cache it runs Fast-dLLM's block loop (the
+  block-start call commits only the token at the block start, its argmax;
+  later steps follow the chosen `alg`); without a cache it is Dream's own
+  ``diffusion_generate`` (dllm_ops/reveal.py says exactly how).
+The reveal rules (which candidates a call commits) live in dllm_ops/reveal.py.
 """
 from __future__ import annotations
 
@@ -28,10 +31,8 @@ from . import ops
 from .models import DiffusionLM
 from .plan import KVCache, StepPlan, mask_to_idx
 from .policies import Policy, make_policy
-
-# Dream's algorithms -> (confidence mode of dllm.token_confidence, reveal rule)
-DREAM_ALGS = {"maskgit_plus": ("prob", "topk"), "topk_margin": ("margin", "topk"),
-              "entropy": ("neg_entropy", "topk"), "confidence_threshold": ("prob", "threshold")}
+from .reveal import DREAM_ALGS, LLADA_RULES, RevealCall, RevealRule, reveal_rule
+from .reveal import dream_quota, quota_schedule  # noqa: F401  (re-exported)
 
 
 class DecodeError(ValueError):
@@ -44,22 +45,6 @@ class GenerateOutput:
     sequences: list[list[int]]      # per row, generated ids up to (excluding) the first EOS
     text: list[str] | None          # decoded `sequences` when a tokenizer was given
     stats: dict = field(default_factory=dict)
-
-
-def quota_schedule(n: int, steps: int) -> list[int]:
-    """LLaDA's get_num_transfer_tokens for one block: n tokens over `steps` steps."""
-    base, rem = divmod(n, steps)
-    return [base + (1 if i < rem else 0) for i in range(steps)]
-
-
-def dream_quota(n_mask: int, step: int, steps: int, eps: float = 1e-3) -> int:
-    """Dream's timestep quota: ``int(n_mask * (1 - s/t))`` on ``linspace(1, eps, steps+1)``,
-    everything on the last step."""
-    if step >= steps - 1:
-        return n_mask
-    t = 1 - step * (1 - eps) / steps
-    s = 1 - (step + 1) * (1 - eps) / steps
-    return int(n_mask * (1 - s / t))
 
 
 @dataclass
@@ -129,15 +114,15 @@ def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
     return ids, tok
 
 
-def _validate(model, ids, gen_length, block_length, steps, unmask):
+def _validate(model, ids, gen_length, block_length, steps, needs_steps):
     c = model.config
     if gen_length <= 0 or block_length <= 0 or gen_length % block_length:
         raise DecodeError(f"dllm_ops.generate: gen_length ({gen_length}) must be a positive "
                           f"multiple of block_length ({block_length})")
     nb = gen_length // block_length
-    if unmask == "topk" and (steps <= 0 or steps % nb):
+    if needs_steps and (steps <= 0 or steps % nb):
         raise DecodeError(f"dllm_ops.generate: steps ({steps}) must be a positive multiple of the "
-                          f"number of blocks ({nb}) for unmask='topk'")
+                          f"number of blocks ({nb}) for {needs_steps}")
     for r, p in enumerate(ids):
         if len(p) == 0:
             raise DecodeError(f"dllm_ops.generate: prompt {r} is empty")
@@ -148,6 +133,24 @@ def _validate(model, ids, gen_length, block_length, steps, unmask):
             raise DecodeError(f"dllm_ops.generate: prompt {r} contains the mask id {c.mask_id}")
         if min(p) < 0 or max(p) >= c.vocab_size:
             raise DecodeError(f"dllm_ops.generate: prompt {r} has ids outside [0, {c.vocab_size})")
+
+
+def _validate_sampling(arch, temperature, top_p, top_k, alg_temp):
+    if temperature < 0:
+        raise DecodeError(f"dllm_ops.generate: temperature ({temperature}) must be >= 0")
+    dream_only = {"top_p": top_p, "top_k": top_k, "alg_temp": alg_temp}
+    if arch != "dream":
+        given = [k for k, v in dream_only.items() if v is not None]
+        if given:
+            raise DecodeError(f"dllm_ops.generate: {', '.join(given)} are Dream sampling options; "
+                              f"LLaDA's generate has none")
+        return
+    if top_p is not None and not 0 < top_p <= 1:
+        raise DecodeError(f"dllm_ops.generate: top_p ({top_p}) must be in (0, 1]")
+    if top_k is not None and (int(top_k) != top_k or top_k < 1):
+        raise DecodeError(f"dllm_ops.generate: top_k ({top_k}) must be a positive integer")
+    if alg_temp is not None and alg_temp < 0:
+        raise DecodeError(f"dllm_ops.generate: alg_temp ({alg_temp}) must be >= 0")
 
 
 def step_flops(model: DiffusionLM, plan: StepPlan, key_len: int) -> float:
@@ -165,7 +168,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
              gen_length: int = 128, block_length: int = 32, steps: int | None = None,
              unmask: str = "topk", threshold: float = 0.9, factor: float = 1.0,
              temperature: float = 0.0, remasking: str = "low_confidence", cache: str = "none",
-             alg: str | None = None, suppress_eos: bool = False, stop_at_eos: bool = True,
+             alg: str | None = None, top_p: float | None = None, top_k: int | None = None,
+             alg_temp: float | None = None, suppress_eos: bool = False, stop_at_eos: bool = True,
              seed: int = 0, policy: Policy | None = None,
              max_blocks: int | None = None) -> GenerateOutput:
     """Decode `gen_length` tokens after each prompt.
@@ -175,43 +179,73 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             ``messages=``; instruct checkpoints get their chat template), or
             token ids: one list, a list of lists (a batch) or a tensor.
         gen_length, block_length: the generated region and its block size.
-        steps: model calls budgeted for the whole region (default gen_length);
-            sets the top-k quota. Threshold/factor decoding runs until each block
-            has no masks left.
-        unmask: "topk" | "threshold" | "factor" (LLaDA); for Dream pass ``alg``.
-        remasking: "low_confidence" (max softmax probability) | "random".
-        temperature: > 0 samples with Gumbel noise, LLaDA's add_gumbel_noise.
+        steps: model calls budgeted for the whole region (default gen_length),
+            split evenly over the blocks; sets the top-k quota (LLaDA) and
+            Dream's timestep schedule. Threshold/factor decoding runs until each
+            block has no masks left.
+        unmask: LLaDA's reveal rule, "topk" | "threshold" | "factor".
+        remasking: "low_confidence" (max softmax probability) | "random" (LLaDA).
+        temperature: > 0 samples. LLaDA: Gumbel-max on ``logits / T`` (its
+            add_gumbel_noise), confidence from the un-tempered softmax. Dream:
+            a sample of ``softmax(logits / T)`` after top_p / top_k (drawn as a
+            Gumbel-max), confidence from that same distribution, as Dream's
+            sample_tokens.
         cache: "none" | "prefix" | "dual" (Fast-dLLM), or pass a ``policy``.
-        alg: Dream's "entropy" | "maskgit_plus" | "topk_margin" | "confidence_threshold".
+        alg: Dream's "origin" | "maskgit_plus" | "topk_margin" | "entropy" |
+            "confidence_threshold" (default "entropy"). Without a cache Dream
+            runs its own diffusion_generate schedule (on each block in turn when
+            ``block_length < gen_length``); with a cache Fast-dLLM's block loop
+            ("origin" exists only without one). See dllm_ops/reveal.py.
+        top_p, top_k, alg_temp: Dream's token filters and position-sampling
+            temperature (``alg_temp > 0`` samples the committed positions from
+            ``softmax(confidence / alg_temp)`` instead of taking the top ones).
         suppress_eos: LLaDA's logits_eos_inf (EOS logits count as -inf). The
             mask token's logit always counts as -inf: it is never committed.
         stop_at_eos: a row whose text has reached EOS (an EOS with no mask
             before it) stops running; its remaining masks are filled with EOS
             and counted in ``stats["eos_filled"]``.
-        seed: seeds the Gumbel noise and random remasking.
+        seed: seeds the sampling. Every row draws from its own generator seeded
+            with ``seed``, so a row of a batch decodes exactly as it would alone.
         max_blocks: benchmark knob: decode only the first blocks. The rest of
             the region stays masked and ``stats["blocks_decoded"]`` says so.
     """
     c = model.config
     ids, tok = _as_prompt_ids(model, tokenizer_or_ids, prompt, messages)
     steps = gen_length if steps is None else steps
+    policy = policy or make_policy(cache)
     if c.arch == "dream":
-        alg = alg or "entropy"
-        if alg not in DREAM_ALGS:
-            raise DecodeError(f"dllm_ops.generate: unknown Dream alg {alg!r}; choose from {sorted(DREAM_ALGS)}")
-        mode, unmask = DREAM_ALGS[alg]
+        rule_name = alg or "entropy"
+        if rule_name not in DREAM_ALGS:
+            raise DecodeError(f"dllm_ops.generate: unknown Dream alg {rule_name!r}; "
+                              f"choose from {sorted(DREAM_ALGS)}")
+        # Dream without a cache is its own diffusion_generate; with one, Fast-dLLM's block loop.
+        own_loop = policy.name == "none"
+        needs_steps = f"Dream's alg {rule_name!r}" if own_loop or rule_name != "confidence_threshold" else None
     else:
-        if unmask not in ("topk", "threshold", "factor"):
-            raise DecodeError(f"dllm_ops.generate: unknown unmask {unmask!r}")
+        rule_name = unmask
+        if unmask not in LLADA_RULES:
+            raise DecodeError(f"dllm_ops.generate: unknown unmask {unmask!r}; choose from {list(LLADA_RULES)}")
         if remasking not in ("low_confidence", "random"):
             raise DecodeError(f"dllm_ops.generate: unknown remasking {remasking!r}")
-        mode = "prob"
-    _validate(model, ids, gen_length, block_length, steps, unmask)
-    policy = policy or make_policy(cache)
+        own_loop = False
+        needs_steps = "unmask='topk'" if unmask == "topk" else None
+    _validate(model, ids, gen_length, block_length, steps, needs_steps)
+    _validate_sampling(c.arch, temperature, top_p, top_k, alg_temp)
 
     device = model.device
     B, L = len(ids), max(len(p) for p in ids)
     T = L + gen_length
+    num_blocks = gen_length // block_length
+    generators = [torch.Generator(device="cpu").manual_seed(seed) for _ in range(B)]
+    try:
+        rule = reveal_rule(c.arch, rule_name, dream_own_loop=own_loop, steps_per_block=steps // num_blocks,
+                           threshold=threshold, factor=factor, alg_temp=alg_temp, generators=generators)
+        rule.check(block_length, steps // num_blocks)
+    except ValueError as e:
+        raise DecodeError(f"dllm_ops.generate: {e}") from None
+    sampling = dict(temperature=float(temperature), remasking=remasking if c.arch != "dream" else None,
+                    top_p=top_p, top_k=top_k, dream=c.arch == "dream")
+
     x = torch.full((B, T), c.mask_id, dtype=torch.long, device=device)
     valid = torch.ones((B, T), dtype=torch.bool, device=device)
     for r, p in enumerate(ids):  # left padding, masked out of attention
@@ -220,13 +254,10 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         x[r, L - len(p): L] = torch.tensor(p, device=device)
     state = DecodeState(model=model, x=x, cache=model.new_cache(valid), gen_start=L,
                         block_length=block_length, active=torch.ones(B, dtype=torch.bool, device=device))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     # The mask token is never a decoding outcome: committing it would leave the
     # position masked and a threshold loop would never end (random or small
     # models do predict it). Real checkpoints give it negligible mass.
     suppress = torch.tensor([c.mask_id] + ([c.eos_id] if suppress_eos else []), device=device)
-    num_blocks = gen_length // block_length
-    steps_per_block = steps // num_blocks if unmask == "topk" else None
     flops = 0.0
     eos_filled = torch.zeros(B, dtype=torch.long)
     t0 = time.perf_counter()
@@ -237,16 +268,14 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         state.block_start = L + blk * block_length
         state.block_end = state.block_start + block_length
         state.step = 0
-        quota = quota_schedule(block_length, steps_per_block) if c.arch == "llada" and steps_per_block else None
+        rule.start_block(state.candidates()[:, state.block_start:state.block_end])
         while bool(state.candidates().any()):
             plan = policy.on_block_start(state) if state.step == 0 else policy.plan(state)
             logits = model.step(state.x, plan, state.cache, return_probs=policy.wants_probs)
             state.nfe += 1
             state.recomputed.append(plan.n_tokens)
             flops += step_flops(model, plan, T)
-            commit = _reveal(state, plan, logits, mode=mode, unmask=unmask, quota=quota,
-                             steps_per_block=steps_per_block, threshold=threshold, factor=factor,
-                             temperature=temperature, remasking=remasking, suppress=suppress, gen=gen)
+            commit = _reveal(state, plan, logits, rule, suppress=suppress, generators=generators, **sampling)
             policy.on_step_end(state, commit)
             state.step += 1
             if stop_at_eos:
@@ -266,18 +295,17 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
                  tokens_recomputed=sum(state.recomputed) * c.n_layers,
                  recomputed_per_step=list(state.recomputed), n_layers=c.n_layers,
                  model_flops=flops, eos_filled=eos_filled.tolist(), cache=policy.name,
-                 blocks_decoded=blocks_decoded, blocks=num_blocks)
+                 reveal=rule.name, blocks_decoded=blocks_decoded, blocks=num_blocks)
     text = [tok.decode(s) for s in sequences] if tok is not None else None
     return GenerateOutput(tokens=tokens, sequences=sequences, text=text, stats=stats)
 
 
-def _reveal(state: DecodeState, plan: StepPlan, logits, *, mode, unmask, quota, steps_per_block,
-            threshold, factor, temperature, remasking, suppress, gen) -> torch.Tensor:
-    """Pick and commit tokens of the current block; returns the ``[B, T]`` commit mask."""
+def _block_logits(state: DecodeState, plan: StepPlan, logits) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, n, V]`` logits per position of the current block (zeros where the
+    plan returned none) and the ``[B, n]`` mask of positions that have them."""
     c = state.model.config
-    B, T = state.x.shape
+    B = state.x.shape[0]
     s, e = state.block_start, state.block_end
-    cand = state.candidates()[:, s:e]                              # [B, n]
     n = e - s
     # Logit rows per block position (plan.logits_idx is ascending, -1 padded).
     src = torch.arange(s, e, device=state.x.device) - (1 if c.logit_shift else 0)
@@ -289,46 +317,78 @@ def _reveal(state: DecodeState, plan: StepPlan, logits, *, mode, unmask, quota, 
     flat = torch.zeros(B, n, V, dtype=logits.dtype, device=logits.device)
     if P:
         flat = torch.where(has[..., None], logits.gather(1, row[..., None].expand(B, n, V)), flat)
+    return flat, has
+
+
+def dream_filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None,
+                        top_k: int | None) -> torch.Tensor:
+    """Dream's sample_tokens logit processing: ``/ T``, then top-p (keep the
+    shortest prefix of the sorted distribution whose mass exceeds p, at least
+    one token), then top-k; removed tokens become -inf."""
+    x = logits / temperature if temperature > 0 else logits
+    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    if top_p is not None and top_p < 1:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        drop = cum > top_p
+        drop[..., 1:] = drop[..., :-1].clone()
+        drop[..., 0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), neg_inf)
+    if top_k is not None:
+        k = min(int(top_k), x.shape[-1])
+        kth = torch.topk(x, k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, neg_inf)
+    return x
+
+
+def _reveal(state: DecodeState, plan: StepPlan, logits, rule: RevealRule, *, temperature, remasking,
+            top_p, top_k, dream, suppress, generators) -> torch.Tensor:
+    """Pick and commit tokens of the current block; returns the ``[B, T]`` commit mask."""
+    B, T = state.x.shape
+    s, e = state.block_start, state.block_end
+    n = e - s
+    cand = state.candidates()[:, s:e]                              # [B, n]
+    flat, has = _block_logits(state, plan, logits)
     if bool((cand & ~has).any()):
         raise DecodeError("dllm_ops.generate: the policy's plan has no logits for a candidate")
+    V = flat.shape[-1]
+    # Random draws, per row from the row's own generator, only for rows that
+    # decode this call: a row's stream is the one it would consume alone.
+    drawing = cand.any(1).tolist()
     noise = None
     if temperature > 0:
-        u = torch.rand((B * n, V), generator=gen, dtype=torch.float64).clamp_min(1e-300)
-        noise = (-torch.log(-torch.log(u))).float().to(logits.device)
-    token, score = ops.token_confidence(flat.reshape(B * n, V).float(), mode, float(temperature),
-                                        suppress, noise)
+        noise = torch.zeros(B, n, V, dtype=torch.float64)
+        for r in range(B):
+            if drawing[r]:
+                u = torch.rand((n, V), generator=generators[r], dtype=torch.float64).clamp_min(1e-300)
+                noise[r] = -torch.log(-torch.log(u))
+        noise = noise.float().to(logits.device).reshape(B * n, V)
+    uniform = None
+    if remasking == "random" or rule.draws_uniform:
+        uniform = torch.zeros(B, n)
+        for r in range(B):
+            if drawing[r]:
+                uniform[r] = torch.rand((n,), generator=generators[r])
+        uniform = uniform.to(state.x.device)
+    scores = flat.reshape(B * n, V).float()
+    conf_temperature = float(temperature)
+    if dream:
+        # Dream's sample_tokens: the mask token is removed first (it is never an
+        # outcome here), then / T, top-p, top-k; token and confidence both come
+        # from the processed distribution, so the op runs at temperature 1.
+        scores = scores.index_fill(-1, suppress, float("-inf"))
+        scores = dream_filter_logits(scores, float(temperature), top_p, top_k)
+        conf_temperature = 1.0 if temperature > 0 else 0.0
+    token, score = ops.token_confidence(scores, rule.mode, conf_temperature, suppress, noise)
     token, score = token.view(B, n), score.view(B, n)
     if remasking == "random":
-        score = torch.rand((B, n), generator=gen).to(score.device)
-    if c.arch == "dream" and state.step == 0:
-        # Dream's block start commits exactly the token at the block start.
-        commit = torch.zeros_like(cand)
-        commit[:, 0] = cand[:, 0]
-        if not bool(commit.any()):
-            commit = _transfer(score, cand, "topk", torch.ones(B, dtype=torch.long), threshold, factor)
-    elif unmask == "topk":
-        if quota is not None:
-            k = quota[min(state.step, len(quota) - 1)]
-            kk = torch.full((B,), k, dtype=torch.long)
-        else:  # Dream timestep quota, over the remaining masks of each row
-            steps_left = max(1, steps_per_block - 1)
-            kk = torch.tensor([dream_quota(int(m), state.step - 1, steps_left) for m in cand.sum(1)])
-        kk = torch.minimum(kk, cand.sum(1).cpu())
-        commit = _transfer(score, cand, "topk", kk, threshold, factor)
-    else:
-        commit = _transfer(score, cand, unmask, None, threshold, factor)
-    commit &= cand
+        score = uniform
+    commit = rule.select(RevealCall(score, cand, state.step, uniform)) & cand
     block = state.x[:, s:e]
     state.x[:, s:e] = torch.where(commit, token, block)
     full = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)
     full[:, s:e] = commit
     return full
-
-
-def _transfer(score, cand, rule, k, threshold, factor):
-    k_t = k.to(score.device) if k is not None else None
-    return ops.select_transfer(score.float().contiguous(), cand.contiguous(), rule, k_t,
-                               float(threshold), float(factor))
 
 
 def _finish_rows_at_eos(state: DecodeState) -> torch.Tensor:

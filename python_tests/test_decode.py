@@ -7,7 +7,7 @@ import torch
 import dllm_ops
 from dllm_ops.decode import DecodeError, quota_schedule
 from dllm_ops.models import load
-from ref_generate import ref_generate
+from ref_generate import ref_dream_generate, ref_generate
 from ref_model import load_original
 from tiny_ckpt import make_checkpoint
 
@@ -23,7 +23,7 @@ def llada(tmp_path_factory):
 def dream(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dream"))
     make_checkpoint(path, "dream", seed=4)
-    return path, load(path, dtype=torch.float32)
+    return path, load(path, dtype=torch.float32), load_original(path)
 
 
 PROMPTS = [[5, 9, 11, 30, 7, 8], [12, 40, 41, 6, 9, 10, 22, 50, 51, 17, 5], [33, 34]]
@@ -72,9 +72,9 @@ def test_batch_equals_single(llada, cache, unmask):
 
 
 def test_dream_modes_batch_equals_single(dream):
-    _, model = dream
-    for alg in ["entropy", "maskgit_plus", "topk_margin", "confidence_threshold"]:
-        for cache in ["none", "prefix", "dual"]:
+    _, model, _ = dream
+    for alg in ["entropy", "maskgit_plus", "topk_margin", "confidence_threshold", "origin"]:
+        for cache in (["none"] if alg == "origin" else ["none", "prefix", "dual"]):
             kw = dict(gen_length=16, block_length=8, steps=16, alg=alg, threshold=0.5, cache=cache,
                       stop_at_eos=False)
             batch = dllm_ops.generate(model, PROMPTS, **kw)
@@ -85,12 +85,14 @@ def test_dream_modes_batch_equals_single(dream):
 
 
 def test_dream_block_start_commits_only_the_first_token(dream):
-    _, model = dream
-    from dllm_ops.policies import Vanilla
+    """With a cache Dream runs Fast-dLLM's block loop: each block-start call
+    commits exactly the token at the block start."""
+    _, model, _ = dream
+    from dllm_ops.policies import DualCache
 
     seen = []
 
-    class Spy(Vanilla):
+    class Spy(DualCache):
         def on_step_end(self, state, commit):
             seen.append((state.step, state.block_start, commit.nonzero()[:, 1].tolist()))
 
@@ -98,6 +100,107 @@ def test_dream_block_start_commits_only_the_first_token(dream):
                       policy=Spy(), stop_at_eos=False)
     firsts = [(bs, cols) for step, bs, cols in seen if step == 0]
     assert len(firsts) == 2 and all(cols == [bs] for bs, cols in firsts)
+
+
+DREAM_CASES = [
+    dict(alg="entropy", steps=16),
+    dict(alg="entropy", steps=8),
+    dict(alg="entropy", steps=4),
+    dict(alg="maskgit_plus", steps=16),
+    dict(alg="maskgit_plus", steps=8),
+    dict(alg="topk_margin", steps=16),
+    dict(alg="topk_margin", steps=4),
+    dict(alg="confidence_threshold", steps=16, threshold=0.5),
+    dict(alg="confidence_threshold", steps=4, threshold=0.3),
+    dict(alg="confidence_threshold", steps=2, threshold=0.2),
+    dict(alg="origin", steps=16, seed=3),
+    dict(alg="origin", steps=8, seed=7),
+    dict(alg="origin", steps=8, seed=1, temperature=0.8),
+    dict(alg="maskgit_plus", steps=8, temperature=1.0, top_p=0.9, seed=4),
+    dict(alg="entropy", steps=8, temperature=0.7, top_k=5, seed=9),
+    dict(alg="topk_margin", steps=8, alg_temp=0.5, seed=2),
+    dict(alg="confidence_threshold", steps=4, threshold=0.4, temperature=0.5, top_p=0.95, seed=6),
+]
+
+
+@pytest.mark.parametrize("block_length", [16, 8])
+@pytest.mark.parametrize("case", DREAM_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_dream_without_cache_is_its_own_diffusion_generate(dream, case, block_length):
+    """cache="none" for Dream is Dream's own loop: no block-start commit, its
+    timestep quota from the first call (steps < gen_length included), the
+    threshold carry-over, origin's random transfer (block_length < gen_length
+    runs that schedule on each block in turn)."""
+    path, model, original = dream
+    kw = dict(gen_length=16, block_length=block_length, **case)
+    for prompt in PROMPTS[:2]:
+        out = dllm_ops.generate(model, prompt, cache="none", stop_at_eos=False, **kw)
+        want = ref_dream_generate(original, prompt, mask_id=model.config.mask_id, cache="none", **kw)
+        assert out.tokens[0].tolist() == want
+        assert model.config.mask_id not in want
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("case", [dict(alg="entropy", steps=16), dict(alg="maskgit_plus", steps=8),
+                                  dict(alg="topk_margin", steps=16),
+                                  dict(alg="confidence_threshold", steps=16, threshold=0.5),
+                                  dict(alg="entropy", steps=8, temperature=0.9, top_p=0.9, seed=5)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_dream_cached_modes_are_fastdllm_block_loop(dream, cache, case):
+    path, model, original = dream
+    kw = dict(gen_length=16, block_length=8, **case)
+    for prompt in PROMPTS[:2]:
+        out = dllm_ops.generate(model, prompt, cache=cache, stop_at_eos=False, **kw)
+        want = ref_dream_generate(original, prompt, mask_id=model.config.mask_id, cache=cache, **kw)
+        assert out.tokens[0].tolist() == want
+
+
+def test_dream_own_loop_first_call_commits_nothing_at_one_step_per_mask(dream):
+    """32 masks over 32 steps: int(32 * (1 - s/t)) = int(0.999) = 0 on the first call."""
+    _, model, _ = dream
+    from dllm_ops.policies import Vanilla
+
+    seen = []
+
+    class Spy(Vanilla):
+        def on_step_end(self, state, commit):
+            seen.append(int(commit.sum()))
+
+    dllm_ops.generate(model, PROMPTS[0], gen_length=32, block_length=32, steps=32, alg="entropy",
+                      policy=Spy(), stop_at_eos=False)
+    assert len(seen) == 32 and seen[0] == 0 and sum(seen) == 32
+
+
+def test_dream_sampled_batch_equals_single(dream):
+    _, model, _ = dream
+    for kw in [dict(alg="origin", steps=8, seed=3), dict(alg="entropy", steps=8, temperature=0.8, seed=2),
+               dict(alg="topk_margin", steps=8, alg_temp=0.5, seed=4)]:
+        kw.update(gen_length=16, block_length=8, cache="none", stop_at_eos=False)
+        batch = dllm_ops.generate(model, PROMPTS, **kw)
+        for r, p in enumerate(PROMPTS):
+            assert batch.tokens[r].tolist() == dllm_ops.generate(model, p, **kw).tokens[0].tolist(), (kw, r)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(alg="origin", cache="dual"), "only in its own loop"),
+    (dict(alg="confidence_threshold", steps=4, block_length=6, gen_length=6), "divisible by its steps"),
+    (dict(alg="entropy", steps=3), "multiple of the number of blocks"),
+    (dict(alg="bogus"), "unknown Dream alg"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(alg_temp=-1.0), "alg_temp"),
+])
+def test_dream_bad_input(dream, kw, msg):
+    _, model, _ = dream
+    kw.setdefault("gen_length", 16)
+    kw.setdefault("block_length", 8)
+    with pytest.raises(DecodeError, match=msg):
+        dllm_ops.generate(model, [5, 6, 7], **kw)
+
+
+def test_dream_sampling_options_refused_for_llada(llada):
+    _, model, _ = llada
+    with pytest.raises(DecodeError, match="Dream sampling options"):
+        dllm_ops.generate(model, [5, 6, 7], gen_length=8, block_length=8, top_p=0.9)
 
 
 def test_cache_modes_cost_less(llada):

@@ -1,0 +1,316 @@
+"""Reveal rules: which of a call's masked candidates are committed.
+
+DESIGN.md's fourth independent choice of a decode step. A rule sees the
+per-position score of the current block's candidates (``[B, n]``, from
+``dllm.token_confidence``) and returns the ``[B, n]`` commit mask. Rules are
+registered by name, keyed by LLaDA's ``unmask`` and Dream's ``alg``
+(``reveal_rule``), so the loop never branches on the architecture.
+
+Two Dream loops exist and both are reproduced:
+- with a cache (``prefix`` / ``dual``) Dream runs Fast-dLLM's block loop
+  (``generation_utils_block.py``): the block-start call commits the token at
+  the block start, later calls follow the alg with the timestep quota over the
+  block's remaining calls;
+- without a cache it is Dream's own ``diffusion_generate``
+  (``generation_utils.py``): no block-start commit, ``steps`` calls whose
+  quota ``int(n_mask * (1 - s/t))`` on ``linspace(1, eps, steps + 1)`` starts
+  at the first call, everything on the last; ``confidence_threshold`` keeps a
+  per-call budget ``n_mask // steps`` and carries rejected tokens over, adding
+  calls at the end while any are rejected; ``origin`` commits each mask with
+  probability ``1 - s/t``. Dream's own code has no blocks; here a
+  ``block_length < gen_length`` runs that schedule on each block in turn
+  (``steps / num_blocks`` calls per block), and ``block_length == gen_length``
+  is exactly ``diffusion_generate``.
+
+Every rule keeps per-row state, so a row of a batch is committed exactly as it
+would be alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+
+def quota_schedule(n: int, steps: int) -> list[int]:
+    """LLaDA's get_num_transfer_tokens for one block: n tokens over `steps` steps."""
+    base, rem = divmod(n, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def dream_quota(n_mask: int, step: int, steps: int, eps: float = 1e-3) -> int:
+    """Dream's timestep quota ``int(n_mask * (1 - s/t))`` with ``t, s`` entries
+    ``step, step + 1`` of ``linspace(1, eps, steps + 1)``; everything on the last step.
+
+    Computed in float32 as Dream does (its timesteps are a float32 linspace and
+    the mask count a float32 mean), so the truncation matches near integers.
+    """
+    if step >= steps - 1:
+        return n_mask
+    ts = torch.linspace(1, eps, steps + 1)
+    return int(torch.tensor(float(n_mask)) * (1 - ts[step + 1] / ts[step]))
+
+
+def dream_transfer_probability(step: int, steps: int, eps: float = 1e-3) -> float:
+    """``origin``'s per-mask probability ``1 - s/t`` (float32, as Dream), 1 on the last step."""
+    if step >= steps - 1:
+        return 1.0
+    ts = torch.linspace(1, eps, steps + 1)
+    return float(1 - ts[step + 1] / ts[step])
+
+
+def transfer(score, cand, rule, k, threshold=0.9, factor=1.0):
+    """dllm.select_transfer on a ``[B, n]`` score / candidate pair (``k`` per row or None)."""
+    k_t = k.to(score.device) if k is not None else None
+    return ops.select_transfer(score.float().contiguous(), cand.contiguous(), rule, k_t,
+                               float(threshold), float(factor))
+
+
+class RevealRule:
+    """Commits some of a block's candidates each call.
+
+    ``mode`` is the ``dllm.token_confidence`` score the rule ranks by;
+    ``random`` rules draw one uniform per block position per row from the row's
+    generator (``RevealCall.uniform``).
+    """
+    name = "base"
+    mode = "prob"
+    #: True: the rule needs a per-position uniform draw each call (Dream's origin)
+    draws_uniform = False
+
+    def check(self, block_length: int, steps_per_block: int) -> None:
+        """Raise ValueError if the rule cannot run this block / step geometry."""
+
+    def start_block(self, cand: torch.Tensor) -> None:
+        """Called before the first call of each block with its ``[B, n]`` candidates."""
+
+    def select(self, call: "RevealCall") -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RevealCall:
+    """What a rule sees of one call: scores, candidates, and where the block is."""
+
+    def __init__(self, score, cand, step, uniform=None):
+        self.score = score          # [B, n] float32, ranking score of each block position
+        self.cand = cand            # [B, n] bool, masked candidates with fresh logits
+        self.step = step            # calls already made in this block
+        self.uniform = uniform      # [B, n] float32 in [0, 1) when the rule draws
+
+
+# ---- LLaDA / Fast-dLLM ---------------------------------------------------------
+
+class QuotaTopK(RevealRule):
+    """LLaDA's top-k with the per-block quota schedule (``steps / num_blocks`` calls)."""
+    name = "topk"
+
+    def __init__(self, steps_per_block: int):
+        self.steps_per_block = steps_per_block
+        self.quota = None
+
+    def start_block(self, cand):
+        self.quota = quota_schedule(cand.shape[1], self.steps_per_block)
+
+    def select(self, call):
+        k = self.quota[min(call.step, len(self.quota) - 1)]
+        kk = torch.minimum(torch.full((call.cand.shape[0],), k, dtype=torch.long), call.cand.sum(1).cpu())
+        return transfer(call.score, call.cand, "topk", kk)
+
+
+class Threshold(RevealRule):
+    """Fast-dLLM's threshold: every candidate with score >= tau, plus the best one."""
+    name = "threshold"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def select(self, call):
+        return transfer(call.score, call.cand, "threshold", None, threshold=self.threshold)
+
+
+class Factor(RevealRule):
+    """Fast-dLLM's factor rule (``1 - f/(n+1)``, with its all-or-last quirk)."""
+    name = "factor"
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def select(self, call):
+        return transfer(call.score, call.cand, "factor", None, factor=self.factor)
+
+
+# ---- Dream with a cache: Fast-dLLM's block loop ------------------------------
+
+class DreamBlockStart(RevealRule):
+    """Fast-dLLM's Dream block loop: the block-start call commits exactly the token
+    at the block start (its argmax); later calls follow ``inner``."""
+
+    def __init__(self, inner: RevealRule):
+        self.inner = inner
+        self.name, self.mode = inner.name, inner.mode
+
+    def start_block(self, cand):
+        self.inner.start_block(cand)
+
+    def select(self, call):
+        if call.step > 0:
+            return self.inner.select(call)
+        commit = torch.zeros_like(call.cand)
+        commit[:, 0] = call.cand[:, 0]
+        # A row whose block-start token is already known commits its best candidate.
+        fallback = ~commit.any(1) & call.cand.any(1)
+        if bool(fallback.any()):
+            best = transfer(call.score, call.cand, "topk", torch.ones(call.cand.shape[0], dtype=torch.long))
+            commit |= best & fallback[:, None]
+        return commit
+
+
+class DreamBlockTopK(RevealRule):
+    """After the block-start commit: Dream's timestep quota over the block's
+    remaining ``steps_per_block - 1`` calls, on each row's remaining masks."""
+
+    def __init__(self, mode: str, steps_per_block: int, alg_temp: float | None, generators):
+        self.mode, self.name = mode, f"dream-block-{mode}"
+        self.steps_per_block = steps_per_block
+        self.alg_temp, self.generators = alg_temp, generators
+
+    def select(self, call):
+        steps_left = max(1, self.steps_per_block - 1)
+        return _dream_topk(call, lambda m: dream_quota(m, call.step - 1, steps_left),
+                           self.alg_temp, self.generators)
+
+
+# ---- Dream without a cache: Dream's own diffusion_generate -------------------
+
+class DreamTimestepTopK(RevealRule):
+    """``maskgit_plus`` / ``topk_margin`` / ``entropy``: call ``i`` commits the top
+    ``int(n_mask * (1 - s/t))`` (all on the last call) of the row's masks;
+    with ``alg_temp`` the positions are sampled from ``softmax(score / alg_temp)``
+    without replacement (``torch.multinomial`` with the row's generator)."""
+
+    def __init__(self, mode: str, steps_per_block: int, alg_temp: float | None, generators):
+        self.mode, self.name = mode, f"dream-{mode}"
+        self.steps_per_block = steps_per_block
+        self.alg_temp = alg_temp
+        self.generators = generators
+
+    def select(self, call):
+        return _dream_topk(call, lambda m: dream_quota(m, call.step, self.steps_per_block),
+                           self.alg_temp, self.generators)
+
+
+def _dream_topk(call, quota, alg_temp, generators):
+    """Per row, ``quota(n_masks)`` of the masks: the top-scored ones, or with
+    ``alg_temp`` sampled without replacement from ``softmax(score / alg_temp)``
+    (torch.multinomial with the row's generator, float64 on the CPU)."""
+    B, n = call.cand.shape
+    commit = torch.zeros_like(call.cand)
+    k = torch.tensor([quota(int(m)) if int(m) else 0 for m in call.cand.sum(1)])
+    if not alg_temp:
+        return transfer(call.score, call.cand, "topk", k) & call.cand
+    for r in range(B):
+        if int(k[r]) <= 0:
+            continue
+        score = torch.where(call.cand[r], call.score[r], torch.full_like(call.score[r], float("-inf")))
+        p = torch.softmax(score.double().cpu() / alg_temp, -1)
+        pick = torch.multinomial(p, int(k[r]), generator=generators[r]).to(call.cand.device)
+        commit[r, pick] = True
+    return commit & call.cand
+
+
+class DreamThresholdCarry(RevealRule):
+    """Dream's own ``confidence_threshold``: a per-call budget ``n_mask // steps``
+    plus the tokens carried over; of the budget's top-scored masks the best is
+    always committed and the others only at ``score >= threshold``; each rejected
+    one is carried to the next call, and on the last call each rejection adds a
+    call (with no new budget) until none is rejected."""
+    name = "dream-confidence_threshold"
+
+    def __init__(self, threshold: float, steps_per_block: int):
+        self.threshold = threshold
+        self.steps_per_block = steps_per_block
+
+    def check(self, block_length, steps_per_block):
+        if block_length % steps_per_block:
+            raise ValueError(f"Dream's confidence_threshold needs the block's masks ({block_length}) "
+                             f"divisible by its steps ({steps_per_block})")
+
+    def start_block(self, cand):
+        B, n = cand.shape
+        self.base = [n // self.steps_per_block] * B
+        self.carry = [0] * B
+        self.steps = [self.steps_per_block] * B
+
+    def select(self, call):
+        B, n = call.cand.shape
+        commit = torch.zeros_like(call.cand)
+        for r in range(B):
+            if not bool(call.cand[r].any()):
+                continue
+            budget = self.base[r] + self.carry[r]
+            self.carry[r] = 0
+            score = torch.where(call.cand[r], call.score[r], torch.full_like(call.score[r], float("-inf")))
+            # Rank like torch.topk over the row, ties to the lower position.
+            order = sorted(range(n), key=lambda j: (-float(score[j]), j))[:budget]
+            for rank, j in enumerate(order):
+                if rank == 0 or float(score[j]) >= self.threshold:
+                    commit[r, j] = True
+                elif call.step < self.steps[r] - 1:
+                    self.carry[r] += 1
+                else:
+                    self.base[r] = 0
+                    self.steps[r] += 1
+                    self.carry[r] += 1
+        return commit & call.cand
+
+
+class DreamOrigin(RevealRule):
+    """Dream's default ``origin``: each mask is committed with probability
+    ``1 - s/t`` (a uniform per position from the row's generator), all on the last call."""
+    name = "origin"
+    draws_uniform = True
+
+    def __init__(self, steps_per_block: int):
+        self.steps_per_block = steps_per_block
+
+    def select(self, call):
+        p = dream_transfer_probability(call.step, self.steps_per_block)
+        return call.cand & (call.uniform < p)
+
+
+# ---- registry ------------------------------------------------------------------
+
+LLADA_RULES = ("topk", "threshold", "factor")
+DREAM_ALGS = {"origin": "prob", "maskgit_plus": "prob", "topk_margin": "margin",
+              "entropy": "neg_entropy", "confidence_threshold": "prob"}
+
+
+def reveal_rule(arch: str, name: str, *, dream_own_loop: bool, steps_per_block: int,
+                threshold: float, factor: float, alg_temp: float | None, generators) -> RevealRule:
+    """The rule for LLaDA's ``unmask`` or Dream's ``alg`` ``name``.
+
+    ``dream_own_loop``: Dream without a cache (its own diffusion_generate);
+    otherwise Dream runs Fast-dLLM's block loop.
+    """
+    if arch != "dream":
+        if name == "topk":
+            return QuotaTopK(steps_per_block)
+        if name == "threshold":
+            return Threshold(threshold)
+        if name == "factor":
+            return Factor(factor)
+        raise ValueError(f"unknown unmask {name!r}; choose from {list(LLADA_RULES)}")
+    if name not in DREAM_ALGS:
+        raise ValueError(f"unknown Dream alg {name!r}; choose from {sorted(DREAM_ALGS)}")
+    mode = DREAM_ALGS[name]
+    if dream_own_loop:
+        if name == "origin":
+            return DreamOrigin(steps_per_block)
+        if name == "confidence_threshold":
+            return DreamThresholdCarry(threshold, steps_per_block)
+        return DreamTimestepTopK(mode, steps_per_block, alg_temp, generators)
+    if name == "origin":
+        raise ValueError("Dream's alg 'origin' exists only in its own loop (cache='none')")
+    if name == "confidence_threshold":
+        return DreamBlockStart(Threshold(threshold))
+    return DreamBlockStart(DreamBlockTopK(mode, steps_per_block, alg_temp, generators))
