@@ -59,7 +59,12 @@ def decode_modes(caches, threshold):
 def _decode_kwargs(model, rule, gen_length, block_length):
     kw = dict(gen_length=gen_length, block_length=block_length, stop_at_eos=True)
     if model.config.arch == "dream":
-        kw.update(alg="confidence_threshold", threshold=ONE_PER_CALL if rule == "1/call" else rule)
+        # Without a cache Dream's own confidence_threshold has a per-call budget
+        # of block_length / steps-per-block: one per call for "1/call", the
+        # whole block (top-1 plus every token >= tau) for a threshold row.
+        steps = gen_length if rule == "1/call" else gen_length // block_length
+        kw.update(alg="confidence_threshold", steps=steps,
+                  threshold=ONE_PER_CALL if rule == "1/call" else rule)
     elif rule == "1/call":
         kw.update(unmask="topk", steps=gen_length)
     else:
