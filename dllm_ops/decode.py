@@ -31,6 +31,7 @@ from . import ops
 from .models import DiffusionLM
 from .plan import KVCache, StepPlan, mask_to_idx
 from .policies import Policy, make_policy
+from .quant.reuse import quantized_policy
 from .reveal import DREAM_ALGS, LLADA_RULES, RevealCall, RevealRule, reveal_rule
 from .reveal import dream_quota, quota_schedule  # noqa: F401  (re-exported)
 
@@ -165,6 +166,7 @@ def step_flops(model: DiffusionLM, plan: StepPlan, key_len: int) -> float:
 
 @torch.no_grad()
 def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None,
+             kv_quant: dict | None = None,
              gen_length: int = 128, block_length: int = 32, steps: int | None = None,
              unmask: str = "topk", threshold: float = 0.9, factor: float = 1.0,
              temperature: float = 0.0, remasking: str = "low_confidence", cache: str = "none",
@@ -208,11 +210,19 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             with ``seed``, so a row of a batch decodes exactly as it would alone.
         max_blocks: benchmark knob: decode only the first blocks. The rest of
             the region stays masked and ``stats["blocks_decoded"]`` says so.
+        kv_quant: with cache "prefix" / "dual": store the reused region packed,
+            ``dict(bits=2|4, method="kivi"|"kvq", policy=<table or path>, group=32)``
+            (dllm_ops/quant/reuse.py); ``stats`` then reports the cache bytes.
     """
     c = model.config
     ids, tok = _as_prompt_ids(model, tokenizer_or_ids, prompt, messages)
     steps = gen_length if steps is None else steps
     policy = policy or make_policy(cache)
+    if kv_quant is not None:
+        try:
+            policy = quantized_policy(model, policy, kv_quant)
+        except ValueError as e:
+            raise DecodeError(str(e)) from None
     if c.arch == "dream":
         rule_name = alg or "entropy"
         if rule_name not in DREAM_ALGS:
@@ -252,7 +262,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         x[r, : L - len(p)] = c.pad_id
         valid[r, : L - len(p)] = False
         x[r, L - len(p): L] = torch.tensor(p, device=device)
-    state = DecodeState(model=model, x=x, cache=model.new_cache(valid), gen_start=L,
+    state = DecodeState(model=model, x=x, cache=(policy.new_cache(model, valid) if kv_quant is not None
+                                               else model.new_cache(valid)), gen_start=L,
                         block_length=block_length, active=torch.ones(B, dtype=torch.bool, device=device))
     # The mask token is never a decoding outcome: committing it would leave the
     # position masked and a threshold loop would never end (random or small
@@ -296,6 +307,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
                  recomputed_per_step=list(state.recomputed), n_layers=c.n_layers,
                  model_flops=flops, eos_filled=eos_filled.tolist(), cache=policy.name,
                  reveal=rule.name, blocks_decoded=blocks_decoded, blocks=num_blocks)
+    if kv_quant is not None:
+        stats.update(policy.kv_quant_stats())
     text = [tok.decode(s) for s in sequences] if tok is not None else None
     return GenerateOutput(tokens=tokens, sequences=sequences, text=text, stats=stats)
 

@@ -61,7 +61,7 @@ class QuantizedReuse(Policy):
     def on_step_end(self, state, commit) -> None:
         self.inner.on_step_end(state, commit)
 
-    def stats(self) -> dict:
+    def kv_quant_stats(self) -> dict:
         s = dict(kv_quant=f"{self.method}{self.bits}", kv_quant_policy=[
             f"{l.score}:{l.p}" for l in self.layers])
         if self._cache is not None:
