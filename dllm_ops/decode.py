@@ -22,6 +22,7 @@ The reveal rules (which candidates a call commits) live in dllm_ops/reveal.py.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -91,6 +92,13 @@ class DecodeState:
         return StepPlan(mask_to_idx(run), mask_to_idx(want & run))
 
 
+def _is_id(v) -> bool:
+    """An integer token id (Python / numpy / 0-d integer tensor), not a bool or float."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
     tok = None
     if hasattr(tokenizer_or_ids, "encode"):
@@ -106,10 +114,20 @@ def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     elif isinstance(tokenizer_or_ids, torch.Tensor):
         t = tokenizer_or_ids
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() not in (1, 2):
+            raise DecodeError(f"dllm_ops.generate: prompt ids must be an integer tensor [L] or [B, L], "
+                              f"got {t.dtype} of shape {tuple(t.shape)}")
         ids = [t.tolist()] if t.dim() == 1 else [r.tolist() for r in t]
     else:
         seqs = list(tokenizer_or_ids)
-        ids = [list(seqs)] if seqs and isinstance(seqs[0], int) else [list(s) for s in seqs]
+        flat = seqs and (isinstance(seqs[0], numbers.Number) or getattr(seqs[0], "ndim", None) == 0)
+        ids = [seqs] if flat else [list(s) for s in seqs]
+        for r, p in enumerate(ids):
+            bad = next((v for v in p if not _is_id(v)), None)
+            if bad is not None:
+                raise DecodeError(f"dllm_ops.generate: prompt {r} holds {bad!r}: token ids must be "
+                                  f"integers")
+            ids[r] = [int(v) for v in p]
     if not ids:
         raise DecodeError("dllm_ops.generate: no prompts given")
     return ids, tok

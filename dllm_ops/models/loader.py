@@ -20,13 +20,52 @@ class CheckpointError(ValueError):
     pass
 
 
+# The shipped tiny models (dllm_ops/checkpoints/<name>), loadable by name.
+CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "checkpoints")
+SHIPPED_MODELS = ("tiny-llada", "tiny-dream")
+# The dtypes the kernels (and so the model) run in.
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def resolve_checkpoint(name_or_path: str) -> str:
+    """A checkpoint folder, or a shipped model's name (tiny-llada, tiny-dream) -> its folder."""
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        return path
+    if path in SHIPPED_MODELS:
+        return os.path.join(CHECKPOINTS_DIR, path)
+    raise CheckpointError(f"dllm_ops.load: {path!r} is neither a checkpoint folder nor a shipped "
+                          f"model ({', '.join(SHIPPED_MODELS)})")
+
+
+def _safe_open(file: str):
+    """safetensors.safe_open with the file named in the error (a bare
+    SafetensorError says neither which file nor that it is corrupt)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(file, "pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"dllm_ops.load: {file}: not a readable safetensors file ({e})") from e
+
+
+def _read_tensor(handle, file: str, name: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"dllm_ops.load: {file}: tensor {name} could not be read ({e})") from e
+
+
 def _weight_files(path: str) -> dict[str, str]:
     """Original tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open  # imported on use: kernels-only installs lack it
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            wm = json.load(f).get("weight_map")
+        try:
+            with open(index) as f:
+                wm = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"dllm_ops.load: {index}: not a JSON index ({e})") from None
         if not isinstance(wm, dict):
             raise CheckpointError(f"dllm_ops.load: {index}: no 'weight_map'")
         return {k: os.path.join(path, v) for k, v in wm.items()}
@@ -34,7 +73,7 @@ def _weight_files(path: str) -> dict[str, str]:
     if not os.path.exists(single):
         raise CheckpointError(f"dllm_ops.load: {path}: neither model.safetensors nor "
                               "model.safetensors.index.json found")
-    with safe_open(single, "pt") as f:
+    with _safe_open(single) as f:
         return {k: single for k in f.keys()}
 
 
@@ -45,20 +84,39 @@ def load_tokenizer(path: str):
             or os.path.exists(os.path.join(path, "tokenizer_config.json"))):
         raise CheckpointError(f"dllm_ops.load: {path}: no tokenizer (tokenizer.json / "
                               "tokenizer_config.json) in the folder")
+    from transformers import PretrainedConfig
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        # An empty config: AutoTokenizer would otherwise read config.json as a
+        # transformers model config, which LLaDA's and Dream's are not (and warn
+        # "You are using a model of type `llada` to instantiate a model of type ``").
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                             config=PretrainedConfig())
     except Exception as e:  # transformers raises many types; keep the cause
         raise CheckpointError(f"dllm_ops.load: {path}: the tokenizer failed to load: {e}") from e
 
 
 def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
          tokenizer: bool = True) -> DiffusionLM:
-    """Load a LLaDA or Dream checkpoint folder; the tokenizer is ``model.tokenizer``."""
+    """Load a LLaDA or Dream checkpoint folder (or a shipped model by name:
+    tiny-llada, tiny-dream); the tokenizer is ``model.tokenizer``.
+
+    ``dtype`` is float32, float16 or bfloat16, the dtypes the kernels run in.
+    """
+    if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
+        raise CheckpointError(f"dllm_ops.load: dtype {dtype} is not supported; the kernels run in "
+                              f"{', '.join(str(d).replace('torch.', '') for d in MODEL_DTYPES)}")
+    path = resolve_checkpoint(path)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"dllm_ops.load: {cfg_path} not found")
-    with open(cfg_path) as f:
-        config = from_hf_config(json.load(f), cfg_path)
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"dllm_ops.load: {cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"dllm_ops.load: {cfg_path}: not a JSON object")
+    config = from_hf_config(raw, cfg_path)
     names = param_names(config)
     files = _weight_files(path)
     missing = [n for n in names.values() if n not in files]
@@ -69,8 +127,6 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
     if extra:
         raise CheckpointError(f"dllm_ops.load: {files[extra[0]]}: unexpected tensors {extra[:5]}"
                               f"{' ...' if len(extra) > 5 else ''}")
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = DiffusionLM(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -79,9 +135,9 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
     for ours, theirs in names.items():
         by_file.setdefault(files[theirs], []).append(ours)
     for file, ours_list in by_file.items():
-        with safe_open(file, "pt", device="cpu") as f:
+        with _safe_open(file) as f:
             for ours in ours_list:
-                t = f.get_tensor(names[ours])
+                t = _read_tensor(f, file, names[ours])
                 if tuple(t.shape) != tuple(expected[ours]):
                     raise CheckpointError(
                         f"dllm_ops.load: {file}: tensor {names[ours]} has shape {tuple(t.shape)}, "
