@@ -22,7 +22,6 @@ The reveal rules (which candidates a call commits) live in dllm_ops/reveal.py.
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -31,8 +30,8 @@ import torch
 from . import ops
 from .models import DiffusionLM
 from .plan import KVCache, StepPlan, mask_to_idx
+from .dare import DareReuse, LayerTimer, make_dare
 from .policies import Policy, make_policy
-from .quant.reuse import quantized_policy
 from .reveal import DREAM_ALGS, LLADA_RULES, RevealCall, RevealRule, reveal_rule
 from .reveal import dream_quota, quota_schedule  # noqa: F401  (re-exported)
 
@@ -92,13 +91,6 @@ class DecodeState:
         return StepPlan(mask_to_idx(run), mask_to_idx(want & run))
 
 
-def _is_id(v) -> bool:
-    """An integer token id (Python / numpy / 0-d integer tensor), not a bool or float."""
-    if isinstance(v, torch.Tensor):
-        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
     tok = None
     if hasattr(tokenizer_or_ids, "encode"):
@@ -114,20 +106,10 @@ def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     elif isinstance(tokenizer_or_ids, torch.Tensor):
         t = tokenizer_or_ids
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() not in (1, 2):
-            raise DecodeError(f"dllm_ops.generate: prompt ids must be an integer tensor [L] or [B, L], "
-                              f"got {t.dtype} of shape {tuple(t.shape)}")
         ids = [t.tolist()] if t.dim() == 1 else [r.tolist() for r in t]
     else:
         seqs = list(tokenizer_or_ids)
-        flat = seqs and (isinstance(seqs[0], numbers.Number) or getattr(seqs[0], "ndim", None) == 0)
-        ids = [seqs] if flat else [list(s) for s in seqs]
-        for r, p in enumerate(ids):
-            bad = next((v for v in p if not _is_id(v)), None)
-            if bad is not None:
-                raise DecodeError(f"dllm_ops.generate: prompt {r} holds {bad!r}: token ids must be "
-                                  f"integers")
-            ids[r] = [int(v) for v in p]
+        ids = [list(seqs)] if seqs and isinstance(seqs[0], int) else [list(s) for s in seqs]
     if not ids:
         raise DecodeError("dllm_ops.generate: no prompts given")
     return ids, tok
@@ -184,14 +166,14 @@ def step_flops(model: DiffusionLM, plan: StepPlan, key_len: int) -> float:
 
 @torch.no_grad()
 def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None,
-             kv_quant: dict | None = None,
              gen_length: int = 128, block_length: int = 32, steps: int | None = None,
              unmask: str = "topk", threshold: float = 0.9, factor: float = 1.0,
              temperature: float = 0.0, remasking: str = "low_confidence", cache: str = "none",
              alg: str | None = None, top_p: float | None = None, top_k: int | None = None,
              alg_temp: float | None = None, suppress_eos: bool = False, stop_at_eos: bool = True,
              seed: int = 0, policy: Policy | None = None,
-             max_blocks: int | None = None) -> GenerateOutput:
+             max_blocks: int | None = None, dare=None, dare_opts: dict | None = None,
+             time_layers: bool = False) -> GenerateOutput:
     """Decode `gen_length` tokens after each prompt.
 
     Args:
@@ -228,19 +210,25 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             with ``seed``, so a row of a batch decodes exactly as it would alone.
         max_blocks: benchmark knob: decode only the first blocks. The rest of
             the region stays masked and ``stats["blocks_decoded"]`` says so.
-        kv_quant: with cache "prefix" / "dual": store the reused region packed,
-            ``dict(bits=2|4, method="kivi"|"kvq", policy=<table or path>, group=32)``
-            (dllm_ops/quant/reuse.py); ``stats`` then reports the cache bytes.
+        dare: DARE's per-layer reuse inside each model call (dllm_ops/dare.py):
+            "kv" (only drifting tokens recompute K/V) | "o" (only drifting
+            tokens attend; the others reuse their attention output), narrowing
+            the tokens the cache mode runs; block starts reuse nothing. Or a
+            ``DareReuse`` from ``dllm_ops.dare.make_dare`` (to keep its log).
+        dare_opts: ``dict(rho=...)`` (target reuse fraction in [0, 1), split
+            over layers by redundancy, optional ``phi_max`` in [rho, 1), default
+            (1 + rho) / 2) or ``dict(tau=...)`` (reuse iff drift < tau, tau >= 0).
+            ``stats`` gains ``dare_reuse_share`` (overall and per layer) and
+            ``model_flops`` counts only what ran.
+        time_layers: record each call's per-layer wall seconds in
+            ``stats["layer_seconds"]`` (``stats["layer_seconds_block_start"]``
+            marks the block-start calls).
     """
     c = model.config
     ids, tok = _as_prompt_ids(model, tokenizer_or_ids, prompt, messages)
     steps = gen_length if steps is None else steps
     policy = policy or make_policy(cache)
-    if kv_quant is not None:
-        try:
-            policy = quantized_policy(model, policy, kv_quant)
-        except ValueError as e:
-            raise DecodeError(str(e)) from None
+    reuse = dare if isinstance(dare, DareReuse) else make_dare(dare, dare_opts, c)
     if c.arch == "dream":
         rule_name = alg or "entropy"
         if rule_name not in DREAM_ALGS:
@@ -280,8 +268,7 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         x[r, : L - len(p)] = c.pad_id
         valid[r, : L - len(p)] = False
         x[r, L - len(p): L] = torch.tensor(p, device=device)
-    state = DecodeState(model=model, x=x, cache=(policy.new_cache(model, valid) if kv_quant is not None
-                                               else model.new_cache(valid)), gen_start=L,
+    state = DecodeState(model=model, x=x, cache=model.new_cache(valid), gen_start=L,
                         block_length=block_length, active=torch.ones(B, dtype=torch.bool, device=device))
     # The mask token is never a decoding outcome: committing it would leave the
     # position masked and a threshold loop would never end (random or small
@@ -289,6 +276,7 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     suppress = torch.tensor([c.mask_id] + ([c.eos_id] if suppress_eos else []), device=device)
     flops = 0.0
     eos_filled = torch.zeros(B, dtype=torch.long)
+    layer_seconds, layer_block_start = [], []
     t0 = time.perf_counter()
 
     blocks_decoded = 0
@@ -300,7 +288,14 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         rule.start_block(state.candidates()[:, state.block_start:state.block_end])
         while bool(state.candidates().any()):
             plan = policy.on_block_start(state) if state.step == 0 else policy.plan(state)
-            logits = model.step(state.x, plan, state.cache, return_probs=policy.wants_probs)
+            if reuse is not None:
+                reuse.begin_call(refresh=state.step == 0)
+            timer = LayerTimer(device) if time_layers else None
+            logits = model.step(state.x, plan, state.cache, return_probs=policy.wants_probs,
+                                reuse=reuse, layer_timer=timer)
+            if timer is not None:
+                layer_seconds.append(timer.seconds)
+                layer_block_start.append(state.step == 0)
             state.nfe += 1
             state.recomputed.append(plan.n_tokens)
             flops += step_flops(model, plan, T)
@@ -325,8 +320,11 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
                  recomputed_per_step=list(state.recomputed), n_layers=c.n_layers,
                  model_flops=flops, eos_filled=eos_filled.tolist(), cache=policy.name,
                  reveal=rule.name, blocks_decoded=blocks_decoded, blocks=num_blocks)
-    if kv_quant is not None:
-        stats.update(policy.kv_quant_stats())
+    if reuse is not None:
+        stats.update(reuse.stats())
+        stats["model_flops"] = flops - reuse.flops_saved
+    if time_layers:
+        stats.update(layer_seconds=layer_seconds, layer_seconds_block_start=layer_block_start)
     text = [tok.decode(s) for s in sequences] if tok is not None else None
     return GenerateOutput(tokens=tokens, sequences=sequences, text=text, stats=stats)
 

@@ -64,6 +64,8 @@ class KVCache:
                first real token is at position 0 whatever its padding.
     probs:     per layer, the head-averaged attention rows of the last step's
                queries ``[B, Q, T]`` when the step asked for them.
+    probs_idx: per layer, ``[B, Q]`` canvas positions of those rows; −1 where a
+               row did not attend (padding, or a row DARE-O reused).
     """
 
     k: list[torch.Tensor]
@@ -71,6 +73,8 @@ class KVCache:
     key_valid: torch.Tensor
     positions: torch.Tensor
     probs: list[torch.Tensor] = field(default_factory=list)
+    #: per layer, the canvas position of each row of ``probs`` (−1: the row did not attend)
+    probs_idx: list[torch.Tensor] = field(default_factory=list)
 
     # Storage hooks: the model writes and reads a layer's K/V only through these
     # two methods, so a cache that stores part of the canvas differently (e.g.

@@ -1,0 +1,308 @@
+"""DARE: per-layer, query-drift-guided activation reuse (DARE-KV, DARE-O).
+
+The decode loop's plan names the tokens that flow through the model in a
+call; a `DareReuse` rule, carried by `DiffusionLM.step`, narrows per layer
+which of them recompute their K/V (DARE-KV) or their attention output
+(DARE-O). This module holds everything DARE keeps between calls: each token's
+last head-0 query per layer, the cached attention outputs (DARE-O), the
+per-layer reuse allocation, and the statistics. The model only asks
+`select(layer, q0, idx)` which rows recompute.
+
+The contract (shared/DESIGN.md, "Methods as this project defines them"), and
+the choices made where the DARE text (whose method section is not available
+past the drift score) is silent:
+
+- Drift ``s = 1 - cos(q_t, q_prev)`` of query head 0, pre-RoPE (RoPE rotates
+  both vectors of a token by the same angle, so the cosine is the same and
+  pre-RoPE skips the rounding of a rotation), via ``dllm.cosine_drift``.
+  ``q_prev`` is the head-0 query the token had the last time it flowed through
+  that layer (the previous call that ran it; DARE's ``s(q^t, q^{t-1})``),
+  whether that call recomputed or reused its activations.
+- Drift below ``DRIFT_FLOOR`` (1e-5) counts as exactly 0: the query did not
+  move beyond fp32 rounding (a token whose layer input is unchanged, e.g.
+  every masked token in layer 0). Without the floor the order among such
+  tokens, hence which of them are reused, would be decided by rounding noise.
+- A token with no previous query in a layer (it never flowed through it since
+  the decode began) always recomputes; it is not part of the reuse region.
+- ρ mode (``rho``): the target fraction ρ of the (layer, token) pairs of a call
+  is split across layers in proportion to each layer's redundancy
+  ``max(0, mean(1 - s))`` over the tokens of the previous call (any call,
+  block start included) that had a previous query; a layer's share is capped
+  at ``phi_max`` and the excess is redistributed over the uncapped layers in
+  proportion to their redundancy, until none exceeds the cap (water filling).
+  If the previous call measured no drift in some layer (the first call of a
+  decode, or a call whose tokens were all new), every layer gets ρ. If every
+  layer's redundancy is 0 the split is uniform. In layer l the
+  ``floor(φ_l · n)`` lowest-drift tokens of the reuse region (n tokens; ties:
+  lower position first) are reused (``dllm.drift_select``). The split is per
+  batch row, so a row decodes as it would alone.
+- ``phi_max`` defaults to ``(1 + ρ) / 2``: never below ρ, always below 1.
+- τ mode (``tau``): a token recomputes iff its drift ≥ τ
+  (``dllm.drift_select_threshold``); τ = 0 recomputes everything, τ > 2 (above
+  any drift) reuses everything that can be reused.
+- The call the loop marks ``refresh`` (every block start) reuses nothing and
+  records every running token's query, K/V and (DARE-O) output.
+- DARE-O caches the attention branch *after* the output projection (the
+  tensor added to the residual stream): the projection is linear, bias-free in
+  both LLaDA and Dream and its weights never change, so ``o(cached attention)``
+  equals ``cached o(attention)``; caching after it also skips the output
+  projection of reused rows, at the same memory (hidden size = heads × head dim
+  in both models).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from . import ops
+from .plan import mask_to_idx
+
+DARE_MODES = ("kv", "o")
+DRIFT_FLOOR = 1e-5
+_OPTION_KEYS = ("rho", "tau", "phi_max")
+
+
+def _err(msg: str) -> ValueError:
+    # decode.DecodeError subclasses ValueError; imported lazily to avoid a cycle.
+    from .decode import DecodeError
+    return DecodeError(f"dllm_ops.generate: {msg}")
+
+
+def allocate_reuse(rho: float, redundancy: list[float], phi_max: float) -> list[float]:
+    """Split a mean reuse fraction ρ over layers in proportion to `redundancy`,
+    capped at `phi_max`, the excess redistributed over the uncapped layers.
+
+    Returns per-layer fractions whose mean is ρ (``phi_max >= rho`` guarantees
+    that the capped split is feasible).
+    """
+    L = len(redundancy)
+    phi = [0.0] * L
+    free = list(range(L))
+    remaining = rho * L
+    while free:
+        total = sum(redundancy[i] for i in free)
+        if total <= 0:
+            for i in free:
+                phi[i] = remaining / len(free)
+            break
+        share = {i: remaining * redundancy[i] / total for i in free}
+        over = [i for i in free if share[i] > phi_max]
+        if not over:
+            for i in free:
+                phi[i] = share[i]
+            break
+        for i in over:
+            phi[i] = phi_max
+            remaining -= phi_max
+        free = [i for i in free if i not in over]
+    return phi
+
+
+class DareReuse:
+    """Per-layer reuse rule and state for one decode (see the module docstring).
+
+    The decode loop calls ``begin_call(refresh)`` before each model call and
+    passes the rule to ``model.step(..., reuse=rule)``; the model calls
+    ``select`` once per layer and, for DARE-O, reads and writes
+    ``output_cache(layer)``.
+    """
+
+    def __init__(self, mode: str, config, rho: float | None = None,
+                 tau: float | None = None, phi_max: float | None = None):
+        self.mode = mode
+        self.config = config
+        n_layers = self.n_layers = config.n_layers
+        self.rho, self.tau = rho, tau
+        self.phi_max = phi_max if phi_max is not None or rho is None else (1 + rho) / 2
+        self.refresh = True
+        self.calls = 0
+        self._prev_q: list[torch.Tensor | None] = [None] * n_layers
+        self._seen: list[torch.Tensor | None] = [None] * n_layers
+        self._out: list[torch.Tensor | None] = [None] * n_layers
+        self._redundancy: torch.Tensor | None = None       # [L, B] float64, NaN = not measured
+        self._measured: torch.Tensor | None = None
+        self._phi: torch.Tensor | None = None              # [B, L] this call's fractions
+        # statistics
+        self.ran = [0] * n_layers            # (layer, token) pairs run in reuse-eligible calls
+        self.reused = [0] * n_layers
+        self.ran_all = [0] * n_layers        # ... in every call, block starts included
+        self.flops_saved = 0.0
+        self.call_refresh: list[bool] = []
+        #: when a list, every select appends (call, layer, reuse [B, T] bool on canvas positions)
+        self.log: list | None = None
+
+    # ---- loop side -----------------------------------------------------------
+    def begin_call(self, refresh: bool) -> None:
+        """Mark the next model call; ``refresh`` (a block start) reuses nothing."""
+        self.refresh = bool(refresh)
+        self.calls += 1
+        self.call_refresh.append(self.refresh)
+        self._phi = None
+        if self.rho is not None and not self.refresh and self._redundancy is not None:
+            red = self._redundancy.t().tolist()           # [B][L]
+            meas = self._measured.t().tolist()
+            phi = [allocate_reuse(self.rho, [max(0.0, r) for r in row], self.phi_max)
+                   if all(m) else [self.rho] * self.n_layers
+                   for row, m in zip(red, meas)]
+            self._phi = torch.tensor(phi, dtype=torch.float64)
+
+    # ---- model side ----------------------------------------------------------
+    def _ensure(self, layer: int, B: int, T: int, d: int, dtype, device) -> None:
+        if self._prev_q[layer] is None:
+            self._prev_q[layer] = torch.zeros((B, T, d), dtype=dtype, device=device)
+            self._seen[layer] = torch.zeros((B, T), dtype=torch.bool, device=device)
+
+    def output_cache(self, layer: int, like: torch.Tensor, T: int) -> torch.Tensor:
+        """DARE-O: the ``[B, T, C]`` attention-branch outputs (after the output
+        projection) of every token at its last recompute in `layer`."""
+        if self._out[layer] is None:
+            B, _, C = like.shape
+            self._out[layer] = torch.zeros((B, T, C), dtype=like.dtype, device=like.device)
+        return self._out[layer]
+
+    def select(self, layer: int, q0: torch.Tensor, idx: torch.Tensor, T: int) -> torch.Tensor | None:
+        """Which running rows recompute in `layer`.
+
+        Args:
+            q0: ``[B, Q, d]`` pre-RoPE head-0 queries of the running tokens.
+            idx: ``[B, Q]`` their canvas positions (−1 pads).
+            T: canvas length.
+        Returns:
+            None when every running row recomputes, else ``[B, R]`` int64 row
+            numbers into the Q rows, ascending, −1 padded.
+        """
+        B, Q, d = q0.shape
+        self._ensure(layer, B, T, d, q0.dtype, q0.device)
+        running = idx >= 0
+        safe = idx.clamp_min(0)
+        has_prev = self._seen[layer].gather(1, safe) & running
+        prev = ops.gather_rows(self._prev_q[layer], idx)
+        drift = ops.cosine_drift(q0.contiguous(), prev)
+        drift = torch.where(drift < DRIFT_FLOOR, torch.zeros_like(drift), drift)
+        # This call's redundancy per row: the next call's allocation.
+        n_prev = has_prev.sum(1)
+        red = torch.where(has_prev, 1 - drift.double(), torch.zeros_like(drift, dtype=torch.float64)).sum(1)
+        if self._redundancy is None or self._redundancy.shape[1] != B:
+            self._redundancy = torch.zeros((self.n_layers, B), dtype=torch.float64)
+            self._measured = torch.zeros((self.n_layers, B), dtype=torch.bool)
+        self._redundancy[layer] = (red / n_prev.clamp_min(1)).cpu()
+        self._measured[layer] = (n_prev > 0).cpu()
+        # Record this call's queries: the next call's q_prev.
+        ops.scatter_rows(self._prev_q[layer], q0.contiguous(), idx)
+        rows, cols = running.nonzero(as_tuple=True)
+        self._seen[layer][rows, idx[rows, cols]] = True
+        n_run = int(running.sum())
+        self.ran_all[layer] += n_run
+        if self.refresh:
+            self._log(layer, torch.zeros_like(running), idx, T)
+            return None
+        reuse = self._choose(layer, drift, has_prev)
+        self.ran[layer] += n_run
+        n_reused = int(reuse.sum())
+        self.reused[layer] += n_reused
+        self.flops_saved += n_reused * self.flops_per_reused_row(T)
+        self._log(layer, reuse, idx, T)
+        if not bool(reuse.any()):
+            return None
+        return mask_to_idx(running & ~reuse)
+
+    def _choose(self, layer: int, drift: torch.Tensor, region: torch.Tensor) -> torch.Tensor:
+        Q = drift.shape[1]
+        if self.tau is not None:
+            return ops.drift_select_threshold(drift, region, self.tau, Q)[0]
+        if self._phi is None:
+            return ops.drift_select(drift, region, self.rho, Q)[0]
+        # One drift_select per distinct fraction (rows share it when B = 1 or
+        # when their allocations agree); other rows' regions are emptied.
+        phi = self._phi[:, layer]
+        reuse = torch.zeros_like(region)
+        for value in torch.unique(phi).tolist():
+            rows = (phi == value).to(region.device)
+            reuse |= ops.drift_select(drift, region & rows[:, None], value, Q)[0]
+        return reuse
+
+    def _log(self, layer, reuse, idx, T):
+        if self.log is None:
+            return
+        canvas = torch.zeros((idx.shape[0], T + 1), dtype=torch.bool, device=idx.device)
+        canvas.scatter_(1, torch.where(idx >= 0, idx, T), reuse & (idx >= 0))
+        self.log.append((self.calls, layer, canvas[:, :T].cpu()))
+
+    # ---- statistics ------------------------------------------------------------
+    def flops_per_reused_row(self, key_len: int) -> float:
+        """Model FLOPs one reused (layer, token) skips: DARE-KV the K and V
+        projections; DARE-O the query projection of heads 1.. (head 0 feeds the
+        drift), the attention over `key_len` keys and the output projection."""
+        c = self.config
+        if self.mode == "kv":
+            return 2 * c.hidden_size * c.head_dim * 2 * c.n_kv_heads
+        return (2 * c.hidden_size * c.head_dim * (c.n_heads - 1) + 4 * key_len * c.n_heads * c.head_dim
+                + 2 * c.n_heads * c.head_dim * c.hidden_size)
+
+    def stats(self) -> dict:
+        """Shares of (layer, token) activations reused, overall and per layer.
+
+        ``dare_reuse_share`` counts the reuse-eligible calls (every call but the
+        block starts); ``dare_reuse_share_all_calls`` counts every call.
+        """
+        ran, reused, ran_all = sum(self.ran), sum(self.reused), sum(self.ran_all)
+        s = dict(dare=self.mode, dare_rho=self.rho, dare_tau=self.tau, dare_phi_max=self.phi_max,
+                 dare_reuse_share=reused / ran if ran else 0.0,
+                 dare_reuse_share_all_calls=reused / ran_all if ran_all else 0.0,
+                 dare_reuse_share_per_layer=[r / n if n else 0.0 for r, n in zip(self.reused, self.ran)],
+                 dare_activations_run=ran, dare_activations_reused=reused,
+                 dare_flops_saved=self.flops_saved)
+        return s
+
+
+def make_dare(dare: str | None, dare_opts: dict | None, config) -> DareReuse | None:
+    """Validate ``generate``'s ``dare=`` / ``dare_opts=`` and build the rule (None: no DARE)."""
+    if dare is None:
+        if dare_opts:
+            raise _err("dare_opts given without dare='kv' or 'o'")
+        return None
+    if dare not in DARE_MODES:
+        raise _err(f"unknown dare {dare!r}; choose from {list(DARE_MODES)}")
+    opts = dict(dare_opts or {})
+    bad = sorted(set(opts) - set(_OPTION_KEYS))
+    if bad:
+        raise _err(f"unknown dare_opts key(s) {bad}; choose from {list(_OPTION_KEYS)}")
+    rho, tau, phi_max = opts.get("rho"), opts.get("tau"), opts.get("phi_max")
+    if (rho is None) == (tau is None):
+        raise _err("dare_opts needs exactly one of rho (target reuse fraction) or tau (drift threshold)")
+    if rho is not None:
+        rho = float(rho)
+        if not (0.0 <= rho < 1.0):
+            raise _err(f"dare_opts rho ({rho}) must be in [0, 1)")
+        if phi_max is not None:
+            phi_max = float(phi_max)
+            if not (phi_max >= rho):
+                raise _err(f"dare_opts phi_max ({phi_max}) must be >= rho ({rho})")
+            if not phi_max < 1.0:
+                raise _err(f"dare_opts phi_max ({phi_max}) must be < 1")
+    else:
+        tau = float(tau)
+        if math.isnan(tau) or tau < 0:
+            raise _err(f"dare_opts tau ({tau}) must be >= 0")
+        if phi_max is not None:
+            raise _err("dare_opts phi_max applies to rho mode only")
+    return DareReuse(dare, config, rho=rho, tau=tau, phi_max=phi_max)
+
+
+class LayerTimer:
+    """Wall seconds per layer of one call (synchronising the device first)."""
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self.seconds: list[float] = []
+        self._t = None
+
+    def start(self):
+        self.sync()
+        self._t = time.perf_counter()
+
+    def stop(self):
+        self.sync()
+        self.seconds.append(time.perf_counter() - self._t)

@@ -1,0 +1,283 @@
+"""DARE-KV / DARE-O in the decode loop (dllm_ops/dare.py, DiffusionLM.step's reuse).
+
+Checked against the independent float64 reference python_tests/ref_dare.py:
+the same tokens and the same reuse decisions per call and layer, for both
+mechanisms, both selection modes, every cache mode and both architectures.
+"""
+import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("transformers")
+import torch
+
+import dllm_ops
+from dllm_ops.dare import DRIFT_FLOOR, allocate_reuse, make_dare
+from dllm_ops.decode import DecodeError
+from dllm_ops.models import load
+from dllm_ops.plan import StepPlan
+from ref_dare import ref_dare_generate, split_reuse
+from ref_model import load_original
+from tiny_ckpt import make_checkpoint
+
+PROMPT = [5, 9, 11, 30, 7, 8]
+PROMPTS = [[5, 9, 11, 30, 7, 8], [12, 40, 41, 6, 9, 10, 22, 50, 51, 17, 5], [33, 34]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: extra threads only add synchronisation (and, on a shared
+    # machine, contention that makes each small GEMM ~10x slower).
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for arch, seed in [("llada", 3), ("dream", 4)]:
+        path = str(tmp_path_factory.mktemp(arch))
+        make_checkpoint(path, arch, seed=seed, n_layers=3)
+        out[arch] = (load(path, dtype=torch.float32), load_original(path))
+    return out
+
+
+def _kw(arch):
+    kw = dict(gen_length=16, block_length=8, steps=16, stop_at_eos=False)
+    kw.update(unmask="topk") if arch == "llada" else kw.update(alg="maskgit_plus")
+    return kw
+
+
+def _run(model, prompts, cache, dare, opts, **kw):
+    """generate with a DareReuse whose decision log we keep."""
+    rule = make_dare(dare, opts, model.config)
+    rule.log = []
+    out = dllm_ops.generate(model, prompts, cache=cache, dare=rule, **kw)
+    return out, rule
+
+
+def _positions(log):
+    return [(call, layer, [sorted(m[b].nonzero()[:, 0].tolist()) for b in range(m.shape[0])])
+            for call, layer, m in log]
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("dare", ["kv", "o"])
+@pytest.mark.parametrize("opts", [dict(rho=0.5), dict(tau=0.02)], ids=["rho", "tau"])
+def test_generate_equals_reference(ckpts, arch, cache, dare, opts):
+    model, original = ckpts[arch]
+    kw = _kw(arch)
+    out, rule = _run(model, PROMPT, cache, dare, opts, **kw)
+    kw.pop("stop_at_eos")
+    want, ref = ref_dare_generate(original, PROMPT, mask_id=model.config.mask_id, cache=cache,
+                                  dare=dare, **opts, **kw)
+    assert _positions(rule.log) == ref.log
+    assert out.tokens[0].tolist() == want
+    s = out.stats
+    assert s["dare_activations_reused"] == ref.reused > 0
+    assert s["dare_activations_run"] == ref.ran
+
+
+def test_reuse_changes_the_decode(ckpts):
+    """The reference equality above is not vacuous: reuse changes tokens."""
+    changed = 0
+    for arch in ("llada", "dream"):
+        model, _ = ckpts[arch]
+        for cache in ("none", "dual"):
+            base = dllm_ops.generate(model, PROMPT, cache=cache, **_kw(arch)).tokens
+            for dare in ("kv", "o"):
+                out, _ = _run(model, PROMPT, cache, dare, dict(tau=0.02), **_kw(arch))
+                changed += not torch.equal(out.tokens, base)
+    assert changed >= 6
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("dare", ["kv", "o"])
+def test_nothing_reused_equals_base_mode(ckpts, arch, cache, dare):
+    """rho = 0 and tau = 0 (at or below every drift) reuse nothing: the base
+    cache mode's tokens and logits path, token for token."""
+    model, _ = ckpts[arch]
+    base = dllm_ops.generate(model, PROMPTS, cache=cache, **_kw(arch))
+    for opts in (dict(rho=0.0), dict(tau=0.0)):
+        out, rule = _run(model, PROMPTS, cache, dare, opts, **_kw(arch))
+        assert torch.equal(out.tokens, base.tokens), opts
+        assert out.stats["dare_activations_reused"] == 0
+        assert out.stats["nfe"] == base.stats["nfe"]
+
+
+@pytest.mark.parametrize("dare", ["kv", "o"])
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_block_start_never_reuses(ckpts, dare, cache):
+    """tau above every drift (> 2) reuses every token that has a previous
+    query, except at the block-start calls, which reuse nothing."""
+    model, _ = ckpts["llada"]
+    out, rule = _run(model, PROMPT, cache, dare, dict(tau=2.5), **_kw("llada"))
+    refresh = rule.call_refresh
+    assert sum(refresh) == 2 and refresh[0]
+    for call, layer, m in rule.log:
+        if refresh[call - 1]:
+            assert not bool(m.any()), (call, layer)
+        else:
+            assert bool(m.any())
+    assert out.stats["dare_reuse_share"] == 1.0
+    assert out.stats["dare_reuse_share_all_calls"] < 1.0
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("dare,opts", [("kv", dict(rho=0.6)), ("o", dict(tau=0.05)),
+                                       ("o", dict(rho=0.75, phi_max=0.8))])
+def test_batch_equals_single(ckpts, cache, dare, opts):
+    for arch in ("llada", "dream"):
+        model, _ = ckpts[arch]
+        batch, _ = _run(model, PROMPTS, cache, dare, opts, **_kw(arch))
+        for r, p in enumerate(PROMPTS):
+            single, _ = _run(model, p, cache, dare, opts, **_kw(arch))
+            assert batch.tokens[r].tolist() == single.tokens[0].tolist(), (arch, r)
+
+
+class _RowCounter:
+    """Counts the rows each Linear of a layer is applied to."""
+
+    def __init__(self, model):
+        self.rows = {}
+        self.handles = []
+        for li, layer in enumerate(model.layers):
+            for name in ("q", "k", "v", "o"):
+                mod = getattr(layer, name)
+                self.handles.append(mod.register_forward_hook(self._hook(li, name)))
+
+    def _hook(self, li, name):
+        def hook(mod, inputs, output):
+            x = inputs[0]
+            self.rows[(li, name)] = self.rows.get((li, name), 0) + x.numel() // x.shape[-1]
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("dare", ["kv", "o"])
+def test_reused_rows_are_not_computed(ckpts, dare):
+    """One call of a 12-token dual block with half reused: K/V projections
+    (DARE-KV) or query/output projections (DARE-O) see only the recomputed rows."""
+    model, _ = ckpts["dream"]
+    c = model.config
+    T = 24
+    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(0))
+    x[:, 12:] = c.mask_id
+    valid = torch.ones(1, T, dtype=torch.bool)
+    cache = model.new_cache(valid)
+    rule = make_dare(dare, dict(rho=0.5), c)
+    rule.log = []
+    rule.begin_call(True)
+    model.step(x, StepPlan.from_mask(valid, valid), cache, reuse=rule)
+    x[:, 12] = 7
+    run = torch.zeros_like(valid)
+    run[:, 12:24] = True
+    rule.begin_call(False)
+    counter = _RowCounter(model)
+    try:
+        model.step(x, StepPlan.from_mask(run, run), cache, reuse=rule)
+    finally:
+        counter.close()
+    for li in range(c.n_layers):
+        reused = int(rule.log[c.n_layers + li][2].sum())
+        assert reused == 6
+        # DARE-O: head 0 of every row's query runs as a sliced projection (the
+        # drift; not a call of layer.q), the full query only for recomputed rows.
+        full, part = (("q", "o"), ("k", "v")) if dare == "kv" else (("k", "v"), ("q", "o"))
+        for name in full:
+            assert counter.rows[(li, name)] == 12, (li, name)
+        for name in part:
+            assert counter.rows[(li, name)] == 12 - reused, (li, name)
+
+
+def test_dare_o_attention_rows_of_reused_tokens_are_marked(ckpts):
+    model, _ = ckpts["llada"]
+    c = model.config
+    T = 20
+    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(1))
+    x[:, 10:] = c.mask_id
+    valid = torch.ones(1, T, dtype=torch.bool)
+    cache = model.new_cache(valid)
+    rule = make_dare("o", dict(rho=0.5), c)
+    rule.log = []
+    rule.begin_call(True)
+    model.step(x, StepPlan.from_mask(valid, valid), cache, reuse=rule)
+    x[:, 11] = 9
+    run = torch.zeros_like(valid)
+    run[:, 10:20] = True
+    rule.begin_call(False)
+    model.step(x, StepPlan.from_mask(run, run), cache, reuse=rule, return_probs=True)
+    for li in range(c.n_layers):
+        reused = rule.log[c.n_layers + li][2][0]
+        rows = cache.probs_idx[li][0]
+        assert [int(p) for p in rows if p >= 0] == [p for p in range(10, 20) if not reused[p]]
+        attended = cache.probs[li][0][rows >= 0]
+        assert torch.allclose(attended.sum(-1), torch.ones(len(attended)))
+        assert not bool(cache.probs[li][0][rows < 0].any())
+
+
+def test_allocation_rule():
+    red = [0.9, 0.2, 0.95, 0.5]
+    for rho, phi_max in [(0.5, 0.75), (0.75, 0.875), (0.75, 0.75), (0.3, 0.99)]:
+        phi = allocate_reuse(rho, red, phi_max)
+        assert sum(phi) / len(phi) == pytest.approx(rho)
+        assert max(phi) <= phi_max + 1e-12
+        free = [i for i in range(4) if phi[i] < phi_max - 1e-12]
+        ratios = {phi[i] / red[i] for i in free} or {0.0}
+        assert max(ratios) - min(ratios) < 1e-12            # proportional where uncapped
+        assert phi == pytest.approx(split_reuse(rho, red, phi_max), abs=1e-15)
+    assert allocate_reuse(0.75, red, 0.75) == pytest.approx([0.75] * 4)
+    assert allocate_reuse(0.5, [0.0] * 3, 0.75) == pytest.approx([0.5] * 3)
+
+
+def test_stats_per_layer(ckpts):
+    model, _ = ckpts["llada"]
+    out, rule = _run(model, PROMPT, "dual", "kv", dict(rho=0.75), **_kw("llada"))
+    s = out.stats
+    per_layer = [0] * model.config.n_layers
+    for _, layer, m in rule.log:
+        per_layer[layer] += int(m.sum())
+    assert per_layer == rule.reused
+    assert s["dare_activations_reused"] == sum(per_layer)
+    assert s["dare_reuse_share"] == pytest.approx(sum(per_layer) / s["dare_activations_run"])
+    assert len(s["dare_reuse_share_per_layer"]) == model.config.n_layers
+    assert 0.5 < s["dare_reuse_share"] < 0.8
+    assert s["dare_flops_saved"] > 0
+    base = dllm_ops.generate(model, PROMPT, cache="dual", **_kw("llada")).stats
+    assert s["model_flops"] == pytest.approx(base["model_flops"] - s["dare_flops_saved"])
+
+
+def test_layer_times(ckpts):
+    model, _ = ckpts["llada"]
+    s = dllm_ops.generate(model, PROMPT, cache="dual", dare="o", dare_opts=dict(rho=0.5),
+                          time_layers=True, **_kw("llada")).stats
+    assert len(s["layer_seconds"]) == s["nfe"] == len(s["layer_seconds_block_start"])
+    assert all(len(t) == model.config.n_layers and min(t) > 0 for t in s["layer_seconds"])
+
+
+def test_drift_floor_is_documented_value():
+    assert DRIFT_FLOOR == 1e-5
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(dare="qkv"), "unknown dare 'qkv'"),
+    (dict(dare="kv", dare_opts=dict(rho=1.0)), r"rho \(1.0\) must be in \[0, 1\)"),
+    (dict(dare="kv", dare_opts=dict(rho=-0.1)), r"rho \(-0.1\) must be in \[0, 1\)"),
+    (dict(dare="o", dare_opts=dict(tau=-0.5)), r"tau \(-0.5\) must be >= 0"),
+    (dict(dare="o", dare_opts=dict(rho=0.75, phi_max=0.5)), r"phi_max \(0.5\) must be >= rho"),
+    (dict(dare="o", dare_opts=dict(rho=0.5, phi_max=1.0)), r"phi_max \(1.0\) must be < 1"),
+    (dict(dare="kv", dare_opts=dict(rho=0.5, tau=0.1)), "exactly one of rho"),
+    (dict(dare="kv", dare_opts=dict()), "exactly one of rho"),
+    (dict(dare="kv", dare_opts=dict(rho=0.5, phimax=0.9)), "unknown dare_opts key"),
+    (dict(dare_opts=dict(rho=0.5)), "without dare="),
+])
+def test_bad_dare_input(ckpts, kw, msg):
+    model, _ = ckpts["llada"]
+    with pytest.raises(DecodeError, match="^dllm_ops.generate: .*" + msg):
+        dllm_ops.generate(model, PROMPT, gen_length=8, block_length=8, steps=8, **kw)
