@@ -22,6 +22,7 @@ The reveal rules (which candidates a call commits) live in dllm_ops/reveal.py.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from .models import DiffusionLM
 from .plan import KVCache, StepPlan, mask_to_idx
 from .dare import DareReuse, LayerTimer, make_dare
 from .policies import Policy, make_policy
+from .quant.reuse import quantized_policy
 from .reveal import DREAM_ALGS, LLADA_RULES, RevealCall, RevealRule, reveal_rule
 from .reveal import dream_quota, quota_schedule  # noqa: F401  (re-exported)
 
@@ -91,6 +93,13 @@ class DecodeState:
         return StepPlan(mask_to_idx(run), mask_to_idx(want & run))
 
 
+def _is_id(v) -> bool:
+    """An integer token id (Python / numpy / 0-d integer tensor), not a bool or float."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
     tok = None
     if hasattr(tokenizer_or_ids, "encode"):
@@ -106,10 +115,20 @@ def _as_prompt_ids(model, tokenizer_or_ids, prompt, messages):
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     elif isinstance(tokenizer_or_ids, torch.Tensor):
         t = tokenizer_or_ids
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() not in (1, 2):
+            raise DecodeError(f"dllm_ops.generate: prompt ids must be an integer tensor [L] or [B, L], "
+                              f"got {t.dtype} of shape {tuple(t.shape)}")
         ids = [t.tolist()] if t.dim() == 1 else [r.tolist() for r in t]
     else:
         seqs = list(tokenizer_or_ids)
-        ids = [list(seqs)] if seqs and isinstance(seqs[0], int) else [list(s) for s in seqs]
+        flat = seqs and (isinstance(seqs[0], numbers.Number) or getattr(seqs[0], "ndim", None) == 0)
+        ids = [seqs] if flat else [list(s) for s in seqs]
+        for r, p in enumerate(ids):
+            bad = next((v for v in p if not _is_id(v)), None)
+            if bad is not None:
+                raise DecodeError(f"dllm_ops.generate: prompt {r} holds {bad!r}: token ids must be "
+                                  f"integers")
+            ids[r] = [int(v) for v in p]
     if not ids:
         raise DecodeError("dllm_ops.generate: no prompts given")
     return ids, tok
@@ -166,6 +185,7 @@ def step_flops(model: DiffusionLM, plan: StepPlan, key_len: int) -> float:
 
 @torch.no_grad()
 def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None,
+             kv_quant: dict | None = None,
              gen_length: int = 128, block_length: int = 32, steps: int | None = None,
              unmask: str = "topk", threshold: float = 0.9, factor: float = 1.0,
              temperature: float = 0.0, remasking: str = "low_confidence", cache: str = "none",
@@ -223,11 +243,19 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         time_layers: record each call's per-layer wall seconds in
             ``stats["layer_seconds"]`` (``stats["layer_seconds_block_start"]``
             marks the block-start calls).
+        kv_quant: with cache "prefix" / "dual": store the reused region packed,
+            ``dict(bits=2|4, method="kivi"|"kvq", policy=<table or path>, group=32)``
+            (dllm_ops/quant/reuse.py); ``stats`` then reports the cache bytes.
     """
     c = model.config
     ids, tok = _as_prompt_ids(model, tokenizer_or_ids, prompt, messages)
     steps = gen_length if steps is None else steps
     policy = policy or make_policy(cache)
+    if kv_quant is not None:
+        try:
+            policy = quantized_policy(model, policy, kv_quant)
+        except ValueError as e:
+            raise DecodeError(str(e)) from None
     reuse = dare if isinstance(dare, DareReuse) else make_dare(dare, dare_opts, c)
     if c.arch == "dream":
         rule_name = alg or "entropy"
@@ -268,7 +296,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         x[r, : L - len(p)] = c.pad_id
         valid[r, : L - len(p)] = False
         x[r, L - len(p): L] = torch.tensor(p, device=device)
-    state = DecodeState(model=model, x=x, cache=model.new_cache(valid), gen_start=L,
+    state = DecodeState(model=model, x=x, cache=(policy.new_cache(model, valid) if kv_quant is not None
+                                               else model.new_cache(valid)), gen_start=L,
                         block_length=block_length, active=torch.ones(B, dtype=torch.bool, device=device))
     # The mask token is never a decoding outcome: committing it would leave the
     # position masked and a threshold loop would never end (random or small
@@ -320,6 +349,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
                  recomputed_per_step=list(state.recomputed), n_layers=c.n_layers,
                  model_flops=flops, eos_filled=eos_filled.tolist(), cache=policy.name,
                  reveal=rule.name, blocks_decoded=blocks_decoded, blocks=num_blocks)
+    if kv_quant is not None:
+        stats.update(policy.kv_quant_stats())
     if reuse is not None:
         stats.update(reuse.stats())
         stats["model_flops"] = flops - reuse.flops_saved
