@@ -15,7 +15,10 @@ decode in parallel with Fast-dLLM's threshold rule (`--threshold`, 0.9);
 - tok/s: generated tokens (up to the first EOS) per second of decoding, batched;
 - agree_tok / agree_seq: agreement with the vanilla decode of the same
   problems, per token (over the vanilla answer and its first EOS) and per
-  whole answer.
+  whole answer;
+- reused: for DARE modes (``dual+kv@0.75``, ``dual+o@0.5``: cache + DARE-KV /
+  DARE-O at target reuse ρ, see parse_mode), the share of (layer, token)
+  activations reused over the calls after each block start.
 """
 from __future__ import annotations
 
@@ -44,6 +47,25 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     raise ValueError(f"bench.accuracy: {name_or_path!r} is neither a shipped model "
                      f"({', '.join(SHIPPED)}) nor a checkpoint folder")
+
+
+def parse_mode(spec: str):
+    """A cache-mode spec -> (cache, dare, dare_opts).
+
+    ``"dual"`` is a cache mode alone; ``"dual+kv@0.75"`` / ``"dual+o@0.5"`` add
+    DARE-KV / DARE-O at target reuse fraction ρ; ``"dual+o@t0.05"`` at drift
+    threshold τ (dllm_ops/dare.py).
+    """
+    if "+" not in spec:
+        return spec, None, None
+    cache, _, dare = spec.partition("+")
+    mech, _, value = dare.partition("@")
+    try:
+        opts = dict(tau=float(value[1:])) if value.startswith("t") else dict(rho=float(value))
+    except ValueError:
+        raise ValueError(f"bench.accuracy: bad DARE mode {spec!r}; write e.g. dual+kv@0.75 or "
+                         f"dual+o@t0.05") from None
+    return cache, mech, opts
 
 
 def decode_modes(caches, threshold):
@@ -122,7 +144,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     from dllm_ops.policies import POLICIES, make_policy
     from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
-    bad = [c for c in caches if c not in POLICIES]
+    bad = [c for c in caches if parse_mode(c)[0] not in POLICIES]
     if bad:
         raise ValueError(f"bench.accuracy: unknown cache mode(s) {bad}; choose from {sorted(POLICIES)}")
     names = task_names(tasks)
@@ -146,11 +168,17 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
             bar.set_postfix_str(f"{task} {cache} {_label(cache, rule)}")
             kw = _decode_kwargs(model, rule, TASKS[task].gen_length, block_length)
             toks, calls, batch_calls, wall, n_tok = [], [], [], 0.0, 0
+            base_cache, dare, dare_opts = parse_mode(cache)
+            reuse = [0, 0]   # DARE: (layer, token) activations reused / run in reuse-eligible calls
             for b in range(0, n, batch_size):
                 chunk = probs[b:b + batch_size]
-                policy = _CountCalls(make_policy(cache))
+                policy = _CountCalls(make_policy(base_cache))
                 t0 = time.perf_counter()
-                out = generate(model, [list(p.prompt_ids) for p in chunk], policy=policy, **kw)
+                out = generate(model, [list(p.prompt_ids) for p in chunk], policy=policy, dare=dare,
+                               dare_opts=dare_opts, **kw)
+                if dare is not None:
+                    reuse[0] += out.stats["dare_activations_reused"]
+                    reuse[1] += out.stats["dare_activations_run"]
                 wall += time.perf_counter() - t0
                 toks.append(out.tokens)
                 calls.append(policy.calls)
@@ -167,7 +195,8 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                              nfe_batch=sum(batch_calls) / len(batch_calls), tokens_per_s=n_tok / wall,
                              agree_tok=agree_tok, agree_seq=agree_seq, seconds=wall,
                              gen_length=TASKS[task].gen_length, block_length=block_length,
-                             batch_size=batch_size))
+                             batch_size=batch_size, reused=reuse[0], reuse_eligible=reuse[1],
+                             reuse=reuse[0] / reuse[1] if dare is not None and reuse[1] else None))
     bar.close()
     for cache, rule in modes:
         mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
@@ -175,8 +204,11 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                 for k in ("accuracy", "nfe", "nfe_batch", "agree_tok", "agree_seq")}
         secs = sum(r["seconds"] for r in mine)
         toks = sum(r["tokens_per_s"] * r["seconds"] for r in mine)
+        reused, eligible = sum(r["reused"] for r in mine), sum(r["reuse_eligible"] for r in mine)
         rows.append(dict(mine[0], task="all", gen_length=None, n=n * len(mine), seconds=secs,
-                         tokens_per_s=toks / secs, **mean))
+                         tokens_per_s=toks / secs, reused=reused, reuse_eligible=eligible,
+                         reuse=reused / eligible if mine[0]["reuse"] is not None and eligible else None,
+                         **mean))
     return rows
 
 
@@ -191,15 +223,17 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor, eos: int) -> tuple[float
     return sum(tok) / len(tok), sum(seq) / len(seq)
 
 
-COLUMNS = [("task", "task", 8), ("cache", "cache", 7), ("rule", "rule", 8), ("accuracy", "accuracy", 8),
+COLUMNS = [("task", "task", 8), ("cache", "cache", 12), ("rule", "rule", 8), ("accuracy", "accuracy", 8),
            ("nfe", "nfe", 6), ("tokens_per_s", "tok/s", 8), ("agree_tok", "agree_tok", 9),
-           ("agree_seq", "agree_seq", 9)]
+           ("agree_seq", "agree_seq", 9), ("reuse", "reused", 6)]
 
 
 def _cell(key, value, width):
+    if value is None:   # e.g. the DARE reuse share of a mode without DARE
+        return f"{'-':>{width}}"
     if isinstance(value, str):
         return f"{value:<{width}}"
-    if key in ("accuracy", "agree_tok", "agree_seq"):
+    if key in ("accuracy", "agree_tok", "agree_seq", "reuse"):
         return f"{value:>{width}.1%}"
     return f"{value:>{width}.1f}" if key == "nfe" else f"{value:>{width}.0f}"
 
@@ -222,7 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llada", help="tiny-llada | tiny-dream | checkpoint folder")
     p.add_argument("--task", default="all", help="all | add | scan | sub | a,b,...")
     p.add_argument("--n", type=int, default=500, help="held-out problems per task")
-    p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES), help="cache modes besides vanilla")
+    p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES),
+                   help="cache modes besides vanilla; CACHE+kv@RHO / CACHE+o@RHO add DARE (e.g. dual+kv@0.75)")
     p.add_argument("--block-length", type=int, default=None, help="default 16")
     p.add_argument("--threshold", type=float, default=0.9,
                    help="parallel-decoding threshold of the cached modes (<= 0: one token per call)")

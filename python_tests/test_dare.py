@@ -281,3 +281,12 @@ def test_bad_dare_input(ckpts, kw, msg):
     model, _ = ckpts["llada"]
     with pytest.raises(DecodeError, match="^dllm_ops.generate: .*" + msg):
         dllm_ops.generate(model, PROMPT, gen_length=8, block_length=8, steps=8, **kw)
+
+
+def test_bench_mode_specs():
+    from bench.accuracy import parse_mode
+    assert parse_mode("dual") == ("dual", None, None)
+    assert parse_mode("dual+kv@0.75") == ("dual", "kv", dict(rho=0.75))
+    assert parse_mode("prefix+o@t0.05") == ("prefix", "o", dict(tau=0.05))
+    with pytest.raises(ValueError, match="bad DARE mode"):
+        parse_mode("dual+kv@x")
