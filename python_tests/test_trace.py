@@ -27,9 +27,11 @@ def _brute_force(S, sched):
     return best, arg
 
 
-@pytest.mark.parametrize("gen,block,steps", [(4, 2, 2), (6, 3, 2), (4, 4, 3), (6, 6, 4), (8, 4, 3)])
-def test_solver_equals_brute_force(gen, block, steps):
-    sched = Schedule(gen, block, steps)
+@pytest.mark.parametrize("gen,block,steps,first", [(4, 2, 2, False), (6, 3, 2, False), (4, 4, 3, False),
+                                                   (6, 6, 4, False), (8, 4, 3, False), (8, 4, 3, True),
+                                                   (6, 3, 2, True)])
+def test_solver_equals_brute_force(gen, block, steps, first):
+    sched = Schedule(gen, block, steps, first_at_block_start=first)
     rng = np.random.default_rng(gen * 100 + block * 10 + steps)
     for _ in range(5):
         S = rng.normal(size=(gen, sched.n_steps))

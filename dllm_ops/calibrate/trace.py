@@ -23,6 +23,9 @@ Choices where the paper is silent:
   reads token i from the logits at i - 1.
 - Deterministic initializer: within each block, tokens left to right fill
   the steps in order (the first ``k_0`` tokens to step 0, ...).
+- ``first_at_block_start`` (Dream): the first token of each block may only be
+  revealed at its block's first step, as Dream's block-start rule does (its
+  logits come from the previous position, which a cache does not recompute).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Schedule:
     gen_length: int
     block_length: int
     steps_per_block: int
+    first_at_block_start: bool = False
 
     def __post_init__(self):
         if self.gen_length <= 0 or self.block_length <= 0 or self.gen_length % self.block_length:
@@ -71,7 +75,10 @@ class Schedule:
     def window(self, i: int) -> range:
         """Legal steps of answer token i: the steps of its block."""
         b = i // self.block_length
-        return range(b * self.steps_per_block, (b + 1) * self.steps_per_block)
+        first = b * self.steps_per_block
+        if self.first_at_block_start and i % self.block_length == 0:
+            return range(first, first + 1)
+        return range(first, first + self.steps_per_block)
 
     def legal(self, assignment) -> bool:
         a = list(assignment)
@@ -192,7 +199,8 @@ def trace(model, prompt: list[int], answer: list[int], schedule: Schedule,
 def save_artifact(path: str, header: dict, trajectories: list[Trajectory]) -> None:
     """The artifact: header (model, schedule, seed) and per sample the prompt,
     the answer and the assignment. Written atomically."""
-    obj = dict(format=FORMAT, **header, samples=[t.to_json() for t in trajectories])
+    obj = dict(format=FORMAT, **header,
+               samples=[t.to_json() if isinstance(t, Trajectory) else dict(t) for t in trajectories])
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(obj, f)

@@ -150,6 +150,9 @@ class QuantKVCache(KVCache):
         did) and over those queries."""
         bs, be = self.block
         idx = self._idx
+        if idx is None or probs.shape[1] != idx.shape[1]:
+            raise ValueError("dllm_ops.generate: kv_quant: the block-start call must attend with every "
+                             "row it writes (attention importance needs each query's position)")
         in_block = ((idx >= bs) & (idx < be)).to(probs.dtype)            # [B, Q]
         total = (probs * in_block[..., None]).sum(1)                     # [B, T]
         return total / in_block.sum(1, keepdim=True).clamp_min(1)

@@ -1,0 +1,117 @@
+"""python -m dllm_ops.calibrate --model tiny-llada --cache dual --bits 4 --out policy.json
+
+1. TRACE trajectories of ``--n`` prompt-answer pairs of the task suite's
+   ``calib`` split (dllm_ops/calibrate/trace.py). They are saved after every
+   sample to ``--trace`` (default ``<out>.trace.json``; the trajectories do not
+   depend on the cache mode or bit width, so several runs may share one
+   file), and a rerun resumes from it. A trace file made with other settings
+   (model, schedule, seed) is refused, never mixed.
+2. Policy selection on those trajectories (dllm_ops/calibrate/select.py).
+3. The policy table is written at the end, atomically: an interrupted run
+   leaves no table (or the previous one), never half of one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def _resolve(name: str) -> tuple[str, str]:
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
+    if os.path.isdir(os.path.join(here, name)):
+        return name, os.path.join(here, name)
+    if os.path.isdir(name):
+        return os.path.basename(os.path.normpath(name)), name
+    raise SystemExit(f"dllm_ops.calibrate: --model {name!r} is neither a shipped model nor a folder")
+
+
+def run(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from ..models import load
+    from ..quant.policy_table import PolicyTable, model_fingerprint
+    from ..tasks import BLOCK_LENGTH, TASKS, calibration_pairs
+    from .select import (BIT_PENALTY, K_BITS_CAP, MIN_RECORDS, TOPK, WEIGHTS, WIN_RATE, CANDIDATES,
+                         choose, collect, policy_k_bits)
+    from .trace import Schedule, load_artifact, save_artifact, trace
+
+    name, path = _resolve(args.model)
+    model = load(path, dtype=torch.float32)
+    c = model.config
+    eos = c.eos_id
+    header = dict(model=name, fingerprint=model_fingerprint(model), split="calib", n=args.n,
+                  seed=args.seed, block_length=BLOCK_LENGTH, steps_per_block=args.steps_per_block,
+                  max_rounds=args.rounds, first_at_block_start=c.logit_shift)
+    pairs = calibration_pairs(args.n, args.seed)
+    trace_path = args.trace or args.out + ".trace.json"
+    done = []
+    if os.path.exists(trace_path):
+        art = load_artifact(trace_path)
+        diff = sorted(k for k in header if art.get(k) != header[k])
+        if diff:
+            raise SystemExit(f"dllm_ops.calibrate: {trace_path} was made with other settings "
+                             f"({', '.join(diff)} differ); delete it or pass another --trace")
+        done = art["samples"]
+        for s, p in zip(done, pairs):
+            if s["prompt"] != list(p.prompt_ids):
+                raise SystemExit(f"dllm_ops.calibrate: {trace_path}: sample prompts do not match "
+                                 f"the calib pairs; delete it")
+    trajectories = list(done)
+    bar = tqdm(total=len(pairs), initial=len(done), desc=f"TRACE {name}", unit="sample")
+    for p in pairs[len(done):]:
+        gen = TASKS[p.task].gen_length
+        answer = list(p.answer_ids) + [eos] * (gen - len(p.answer_ids))
+        sched = Schedule(gen, BLOCK_LENGTH, args.steps_per_block, first_at_block_start=c.logit_shift)
+        tr = trace(model, list(p.prompt_ids), answer, sched, max_rounds=args.rounds)
+        trajectories.append(dict(tr.to_json(), task=p.task))
+        save_artifact(trace_path, header, trajectories)
+        bar.update(1)
+    bar.close()
+
+    n_blocks = sum(len(t["answer"]) // BLOCK_LENGTH for t in trajectories)
+    bar = tqdm(total=n_blocks * c.n_layers * len(CANDIDATES), desc=f"select {args.cache} {args.bits}-bit",
+               unit="cand")
+    records = collect(model, trajectories, args.cache, args.bits, BLOCK_LENGTH, args.steps_per_block,
+                      group=32, progress=bar)
+    bar.close()
+    layers, report = choose(records, c.n_layers, args.bits)
+    meta = dict(method="dLLM-KVQ policy selection (dllm_ops/calibrate/select.py)", split="calib",
+                n_samples=len(trajectories), seed=args.seed, steps_per_block=args.steps_per_block,
+                trace=os.path.basename(trace_path), weights=WEIGHTS, win_rate_gate=WIN_RATE,
+                k_bits_cap=K_BITS_CAP[args.bits], bit_penalty_per_bit=BIT_PENALTY, topk=TOPK,
+                min_records=MIN_RECORDS,
+                mean_k_bits=sum(policy_k_bits(args.bits, l.p) for l in layers) / len(layers),
+                candidates=report)
+    table = PolicyTable(model=name, fingerprint=header["fingerprint"], cache=args.cache, bits=args.bits,
+                        group=32, layers=layers, meta=meta)
+    table = PolicyTable.from_json(table.to_json())
+    table.save(args.out)
+    print(f"{args.out}: " + ", ".join(f"L{i} {l.score}:{l.p}" for i, l in enumerate(layers))
+          + f"  (mean K bits {meta['mean_k_bits']:.3f})")
+    return table.to_json()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dllm_ops.calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="tiny-llada | tiny-dream | checkpoint folder")
+    p.add_argument("--cache", required=True, choices=["prefix", "dual"])
+    p.add_argument("--bits", required=True, type=int, choices=[2, 4])
+    p.add_argument("--out", required=True, help="policy table (JSON) to write")
+    p.add_argument("--n", type=int, default=8, help="calibration samples (the paper uses 8)")
+    p.add_argument("--seed", type=int, default=0, help="which calib pairs")
+    p.add_argument("--steps-per-block", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4, help="TRACE refinement round limit")
+    p.add_argument("--trace", help="TRACE artifact (default <out>.trace.json); resumed if present")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
