@@ -290,3 +290,18 @@ def test_bench_mode_specs():
     assert parse_mode("prefix+o@t0.05") == ("prefix", "o", dict(tau=0.05))
     with pytest.raises(ValueError, match="bad DARE mode"):
         parse_mode("dual+kv@x")
+
+
+@pytest.mark.parametrize("dare", ["kv", "o"])
+def test_composes_with_packed_kv_cache(ckpts, dare):
+    """DARE goes through KVCache.write / attend, so the packed 4-bit storage
+    (generate(kv_quant=...), a KVCache subclass) composes: nothing reused
+    equals kv_quant alone; reuse runs and is counted."""
+    model, _ = ckpts["llada"]
+    kw = dict(_kw("llada"), cache="dual", kv_quant=dict(bits=4, method="kivi", group=8))
+    base = dllm_ops.generate(model, PROMPTS, **kw)
+    none = dllm_ops.generate(model, PROMPTS, dare=dare, dare_opts=dict(rho=0.0), **kw)
+    assert torch.equal(none.tokens, base.tokens)
+    some = dllm_ops.generate(model, PROMPTS, dare=dare, dare_opts=dict(rho=0.5), **kw)
+    assert 0.3 < some.stats["dare_reuse_share"] <= 0.5
+    assert model.config.mask_id not in some.tokens.flatten().tolist()
