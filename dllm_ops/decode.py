@@ -31,6 +31,7 @@ import torch
 from . import ops
 from .models import DiffusionLM
 from .plan import KVCache, StepPlan, mask_to_idx
+from .dare import DareReuse, LayerTimer, make_dare
 from .policies import Policy, make_policy
 from .quant.reuse import quantized_policy
 from .reveal import DREAM_ALGS, LLADA_RULES, RevealCall, RevealRule, reveal_rule
@@ -191,7 +192,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
              alg: str | None = None, top_p: float | None = None, top_k: int | None = None,
              alg_temp: float | None = None, suppress_eos: bool = False, stop_at_eos: bool = True,
              seed: int = 0, policy: Policy | None = None,
-             max_blocks: int | None = None) -> GenerateOutput:
+             max_blocks: int | None = None, dare=None, dare_opts: dict | None = None,
+             time_layers: bool = False) -> GenerateOutput:
     """Decode `gen_length` tokens after each prompt.
 
     Args:
@@ -228,6 +230,19 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             with ``seed``, so a row of a batch decodes exactly as it would alone.
         max_blocks: benchmark knob: decode only the first blocks. The rest of
             the region stays masked and ``stats["blocks_decoded"]`` says so.
+        dare: DARE's per-layer reuse inside each model call (dllm_ops/dare.py):
+            "kv" (only drifting tokens recompute K/V) | "o" (only drifting
+            tokens attend; the others reuse their attention output), narrowing
+            the tokens the cache mode runs; block starts reuse nothing. Or a
+            ``DareReuse`` from ``dllm_ops.dare.make_dare`` (to keep its log).
+        dare_opts: ``dict(rho=...)`` (target reuse fraction in [0, 1), split
+            over layers by redundancy, optional ``phi_max`` in [rho, 1), default
+            (1 + rho) / 2) or ``dict(tau=...)`` (reuse iff drift < tau, tau >= 0).
+            ``stats`` gains ``dare_reuse_share`` (overall and per layer) and
+            ``model_flops`` counts only what ran.
+        time_layers: record each call's per-layer wall seconds in
+            ``stats["layer_seconds"]`` (``stats["layer_seconds_block_start"]``
+            marks the block-start calls).
         kv_quant: with cache "prefix" / "dual": store the reused region packed,
             ``dict(bits=2|4, method="kivi"|"kvq", policy=<table or path>, group=32)``
             (dllm_ops/quant/reuse.py); ``stats`` then reports the cache bytes.
@@ -241,6 +256,7 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             policy = quantized_policy(model, policy, kv_quant)
         except ValueError as e:
             raise DecodeError(str(e)) from None
+    reuse = dare if isinstance(dare, DareReuse) else make_dare(dare, dare_opts, c)
     if c.arch == "dream":
         rule_name = alg or "entropy"
         if rule_name not in DREAM_ALGS:
@@ -289,6 +305,7 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     suppress = torch.tensor([c.mask_id] + ([c.eos_id] if suppress_eos else []), device=device)
     flops = 0.0
     eos_filled = torch.zeros(B, dtype=torch.long)
+    layer_seconds, layer_block_start = [], []
     t0 = time.perf_counter()
 
     blocks_decoded = 0
@@ -300,7 +317,14 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
         rule.start_block(state.candidates()[:, state.block_start:state.block_end])
         while bool(state.candidates().any()):
             plan = policy.on_block_start(state) if state.step == 0 else policy.plan(state)
-            logits = model.step(state.x, plan, state.cache, return_probs=policy.wants_probs)
+            if reuse is not None:
+                reuse.begin_call(refresh=state.step == 0)
+            timer = LayerTimer(device) if time_layers else None
+            logits = model.step(state.x, plan, state.cache, return_probs=policy.wants_probs,
+                                reuse=reuse, layer_timer=timer)
+            if timer is not None:
+                layer_seconds.append(timer.seconds)
+                layer_block_start.append(state.step == 0)
             state.nfe += 1
             state.recomputed.append(plan.n_tokens)
             flops += step_flops(model, plan, T)
@@ -327,6 +351,11 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
                  reveal=rule.name, blocks_decoded=blocks_decoded, blocks=num_blocks)
     if kv_quant is not None:
         stats.update(policy.kv_quant_stats())
+    if reuse is not None:
+        stats.update(reuse.stats())
+        stats["model_flops"] = flops - reuse.flops_saved
+    if time_layers:
+        stats.update(layer_seconds=layer_seconds, layer_seconds_block_start=layer_block_start)
     text = [tok.decode(s) for s in sequences] if tok is not None else None
     return GenerateOutput(tokens=tokens, sequences=sequences, text=text, stats=stats)
 
