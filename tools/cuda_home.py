@@ -6,6 +6,8 @@ then guesses CUDA_HOME=/usr/local and fails to link cudart, so setup.py, the
 simulation build and the Makefile all ask this module instead.
 
 Run as a script it prints the root (or nothing) so shells can use it.
+find_cuda_headers() finds the headers alone, which is all the CUDA simulation
+needs (the pip wheels of a CUDA build of torch ship them, with no nvcc).
 """
 from __future__ import annotations
 
@@ -49,9 +51,70 @@ def find_cuda_home() -> str | None:
         root = _from_nvcc(nvcc)
         if root:
             return root
-    for cand in ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True):
+    for cand in _toolkit_roots():
         if _is_root(cand):
             return cand
+    return None
+
+
+# Where toolkits are installed (newest version first), and the system headers.
+TOOLKIT_GLOBS = ("/usr/local/cuda", "/usr/local/cuda-*")
+SYSTEM_INCLUDE = "/usr/include"
+
+
+def _toolkit_roots() -> list[str]:
+    return [r for g in TOOLKIT_GLOBS for r in sorted(glob.glob(g), reverse=True)]
+
+
+# What the CUDA simulation (python_tests/sim/build.py) includes from a toolkit:
+# the runtime headers, and CCCL's <nv/target> (which the fp16/bf16 headers use).
+SIM_HEADERS = ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h", "cooperative_groups.h",
+               "crt/host_defines.h")
+CCCL_HEADER = "nv/target"
+
+
+def _has(include: str, headers) -> bool:
+    return all(os.path.isfile(os.path.join(include, h)) for h in headers)
+
+
+def _site_dirs() -> list[str]:
+    import site
+    import sysconfig
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    try:
+        dirs += site.getsitepackages()
+    except AttributeError:  # some virtualenvs
+        pass
+    return [d for d in dict.fromkeys(dirs + sys.path) if d and os.path.isdir(d)]
+
+
+def find_cuda_headers() -> list[str] | None:
+    """Include folders with the CUDA headers the simulation needs (no nvcc
+    needed): $CUDA_HOME/include, a toolkit, the system headers, or pip wheels
+    (a CUDA build of torch brings triton's copy of the runtime headers; CCCL
+    comes from the toolkit or the nvidia-cuda-cccl wheel). None if incomplete."""
+    cands = []
+    env = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if env:
+        cands.append(os.path.join(env, "include"))
+    root = find_cuda_home()
+    if root:
+        cands.append(os.path.join(root, "include"))
+    cands += [os.path.join(c, "include") for c in _toolkit_roots()]
+    cands.append(SYSTEM_INCLUDE)
+    wheel_cccl = []
+    for d in _site_dirs():
+        cands += sorted(glob.glob(os.path.join(d, "nvidia", "cu*", "include")), reverse=True)
+        cands.append(os.path.join(d, "nvidia", "cuda_runtime", "include"))
+        cands.append(os.path.join(d, "triton", "backends", "nvidia", "include"))
+        wheel_cccl += [os.path.join(d, "nvidia", "cuda_cccl", "include")]
+        wheel_cccl += sorted(glob.glob(os.path.join(d, "nvidia", "cu*", "include", "cccl")), reverse=True)
+    for inc in dict.fromkeys(cands):
+        if not _has(inc, SIM_HEADERS):
+            continue
+        for cccl in [inc, os.path.join(inc, "cccl")] + wheel_cccl:
+            if _has(cccl, [CCCL_HEADER]):
+                return [inc] if cccl == inc else [inc, cccl]
     return None
 
 

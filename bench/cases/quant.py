@@ -99,12 +99,25 @@ def _dequantize_v_case(bits):
                   nbytes=nbytes, dtypes=(torch.bfloat16,)))
 
 
+def _k_quant_error_case(bits):
+    """dLLM-KVQ's quantization-error importance of one layer's K: reads K once
+    (quantizing and dequantizing in registers), writes one fp32 per token."""
+    def make(device, dtype):
+        return (_cache(device, dtype, 0),)
+
+    register(Case(op="k_quant_error", shape=f"H{H}xT{T}xd{D} b{bits}", make=make,
+                  run=lambda k: dllm_ops.k_quant_error(k, bits, G),
+                  baselines={"reference": lambda k: reference.k_quant_error(k, bits, G)},
+                  nbytes=lambda a: tensor_bytes(a[0]) + H * T * 4, dtypes=(torch.bfloat16,)))
+
+
 for _bits in (4, 2):
     for _p in (0, 2):
         _quantize_k_case(_bits, _p)
         _dequantize_k_case(_bits, _p)
     _quantize_v_case(_bits)
     _dequantize_v_case(_bits)
+    _k_quant_error_case(_bits)
 
 
 # ---- quant_attention ---------------------------------------------------------------------

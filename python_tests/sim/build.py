@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CSRC = os.path.join(ROOT, "csrc")
 BUILD = os.path.join(ROOT, "build", "sim")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-from cuda_home import find_cuda_home  # noqa: E402
+from cuda_home import find_cuda_headers  # noqa: E402
 
 
 class SimUnavailable(RuntimeError):
@@ -42,9 +42,11 @@ def _wrappers() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def load_sim() -> None:
-    cuda_home = find_cuda_home()
-    if cuda_home is None:
-        raise SimUnavailable("no CUDA toolkit headers found (set CUDA_HOME)")
+    cuda_include = find_cuda_headers()
+    if cuda_include is None:
+        raise SimUnavailable("no complete set of CUDA headers found (cuda_runtime.h, cuda_fp16.h, "
+                             "cuda_bf16.h, cooperative_groups.h, crt/, CCCL's nv/target): install "
+                             "a CUDA toolkit or set CUDA_HOME (no nvcc is needed)")
     from torch.utils.cpp_extension import load
 
     load(
@@ -57,7 +59,7 @@ def load_sim() -> None:
         extra_ldflags=["-pthread"],
         # shim_include must precede the toolkit so its cooperative_groups.h wins.
         extra_include_paths=[os.path.join(CSRC, "cudasim", "shim_include"), CSRC,
-                             os.path.join(cuda_home, "include")],
+                             *cuda_include],
         build_directory=BUILD,
         is_python_module=False,
         verbose=bool(os.environ.get("DLLM_SIM_VERBOSE")),
