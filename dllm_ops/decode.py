@@ -34,7 +34,7 @@ from .plan import KVCache, StepPlan, mask_to_idx
 from .dare import DareReuse, LayerTimer, make_dare
 from .policies import Policy, make_policy
 from .quant.reuse import quantized_policy
-from .reveal import DREAM_ALGS, LLADA_RULES, RevealCall, RevealRule, reveal_rule
+from .reveal import DREAM_ALGS, LLADA_RULES, CertaintyPrior, RevealCall, RevealRule, reveal_rule
 from .reveal import dream_quota, quota_schedule  # noqa: F401  (re-exported)
 
 
@@ -64,6 +64,8 @@ class DecodeState:
     step: int = 0                  # model calls in the current block
     nfe: int = 0
     recomputed: list = field(default_factory=list)   # tokens run per call (per layer)
+    last_plan: StepPlan | None = None      # the last call's plan and its logits [B, P, V]
+    last_logits: torch.Tensor | None = None  # (rows follow last_plan.logits_idx)
 
     @property
     def mask_id(self) -> int:
@@ -193,7 +195,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
              alg_temp: float | None = None, suppress_eos: bool = False, stop_at_eos: bool = True,
              seed: int = 0, policy: Policy | None = None,
              max_blocks: int | None = None, dare=None, dare_opts: dict | None = None,
-             time_layers: bool = False) -> GenerateOutput:
+             time_layers: bool = False, d2cache: dict | None = None,
+             sigma: float | None = None) -> GenerateOutput:
     """Decode `gen_length` tokens after each prompt.
 
     Args:
@@ -212,7 +215,14 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             a sample of ``softmax(logits / T)`` after top_p / top_k (drawn as a
             Gumbel-max), confidence from that same distribution, as Dream's
             sample_tokens.
-        cache: "none" | "prefix" | "dual" (Fast-dLLM), or pass a ``policy``.
+        cache: "none" | "prefix" | "dual" (Fast-dLLM), "d2cache" (d²Cache,
+            dllm_ops/policies/d2cache.py), or pass a ``policy``.
+        d2cache: d²Cache's options with ``cache="d2cache"``, a dict of
+            ``rollout_p`` (0.1), ``current_k`` (32), ``sigma`` (10); an error
+            with any other cache. (Or pass ``policy=dllm_ops.policies.D2Cache(...)``.)
+        sigma: certainty-prior decoding with any cache and rule: candidates are
+            ranked by score × D(σ) (dllm_ops.reveal.CertaintyPrior). None or 0
+            (default): off, as in the reference; its d²Cache runs use 10.
         alg: Dream's "origin" | "maskgit_plus" | "topk_margin" | "entropy" |
             "confidence_threshold" (default "entropy"). Without a cache Dream
             runs its own diffusion_generate schedule (on each block in turn when
@@ -250,7 +260,13 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     c = model.config
     ids, tok = _as_prompt_ids(model, tokenizer_or_ids, prompt, messages)
     steps = gen_length if steps is None else steps
-    policy = policy or make_policy(cache)
+    if policy is not None and d2cache is not None:
+        raise DecodeError("dllm_ops.generate: give d2cache options or a policy, not both")
+    if sigma is not None and (isinstance(sigma, bool) or not isinstance(sigma, (int, float))
+                              or not math.isfinite(sigma) or sigma < 0):
+        raise DecodeError(f"dllm_ops.generate: sigma must be a finite number >= 0 (0 or None: off), "
+                          f"got {sigma!r}")
+    policy = policy or make_policy(cache, d2cache)
     if kv_quant is not None:
         try:
             policy = quantized_policy(model, policy, kv_quant)
@@ -284,6 +300,8 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     try:
         rule = reveal_rule(c.arch, rule_name, dream_own_loop=own_loop, steps_per_block=steps // num_blocks,
                            threshold=threshold, factor=factor, alg_temp=alg_temp, generators=generators)
+        if sigma:
+            rule = CertaintyPrior(rule, sigma)
         rule.check(block_length, steps // num_blocks)
     except ValueError as e:
         raise DecodeError(f"dllm_ops.generate: {e}") from None
@@ -325,6 +343,7 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             if timer is not None:
                 layer_seconds.append(timer.seconds)
                 layer_block_start.append(state.step == 0)
+            state.last_plan, state.last_logits = plan, logits
             state.nfe += 1
             state.recomputed.append(plan.n_tokens)
             flops += step_flops(model, plan, T)
@@ -409,7 +428,9 @@ def _reveal(state: DecodeState, plan: StepPlan, logits, rule: RevealRule, *, tem
     n = e - s
     cand = state.candidates()[:, s:e]                              # [B, n]
     flat, has = _block_logits(state, plan, logits)
-    if bool((cand & ~has).any()):
+    if getattr(plan, "partial_logits", False):
+        cand = cand & has  # d²Cache: a mask this call did not predict is not its candidate
+    elif bool((cand & ~has).any()):
         raise DecodeError("dllm_ops.generate: the policy's plan has no logits for a candidate")
     V = flat.shape[-1]
     # Random draws, per row from the row's own generator, only for rows that
@@ -443,7 +464,8 @@ def _reveal(state: DecodeState, plan: StepPlan, logits, rule: RevealRule, *, tem
     token, score = token.view(B, n), score.view(B, n)
     if remasking == "random":
         score = uniform
-    commit = rule.select(RevealCall(score, cand, state.step, uniform)) & cand
+    region = state.x[:, state.gen_start:] != state.mask_id
+    commit = rule.select(RevealCall(score, cand, state.step, uniform, region, s - state.gen_start)) & cand
     block = state.x[:, s:e]
     state.x[:, s:e] = torch.where(commit, token, block)
     full = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)

@@ -91,11 +91,48 @@ class RevealRule:
 class RevealCall:
     """What a rule sees of one call: scores, candidates, and where the block is."""
 
-    def __init__(self, score, cand, step, uniform=None):
+    def __init__(self, score, cand, step, uniform=None, region_decoded=None, block_offset=0):
         self.score = score          # [B, n] float32, ranking score of each block position
         self.cand = cand            # [B, n] bool, masked candidates with fresh logits
         self.step = step            # calls already made in this block
         self.uniform = uniform      # [B, n] float32 in [0, 1) when the rule draws
+        self.region_decoded = region_decoded  # [B, G] bool, decoded tokens of the generated region
+        self.block_offset = block_offset      # the block's first position within the region
+
+
+class CertaintyPrior(RevealRule):
+    """d²Cache's certainty-prior decoding around any rule: each candidate's score is
+    multiplied by the certainty density D(σ) of the generated region before the
+    call (``dllm.certainty_density``: the prompt counts as decoded, the right edge
+    as decoded iff the region's last token is), so tokens next to decoded text go
+    first and a small σ decodes almost left to right. Threshold and factor rules
+    then compare the product, as the reference code does (its docs advise σ off
+    for threshold decoding). Dream's ``origin`` ignores scores, so the prior does
+    not change it. A rule whose score can be negative (Dream's ``entropy``,
+    ``Σ p log p ≤ 0``) is refused: the product would rank tokens far from decoded
+    text first, the opposite of the prior (the reference code does that)."""
+
+    def __init__(self, inner: RevealRule, sigma: float):
+        if inner.mode == "neg_entropy":
+            raise ValueError(f"sigma (certainty prior) needs a score >= 0; {inner.name!r} ranks by "
+                             f"negative entropy (<= 0), which the product would invert: use Dream's "
+                             f"alg 'maskgit_plus', 'topk_margin' or 'confidence_threshold'")
+        self.inner, self.sigma = inner, float(sigma)
+        self.name = f"{inner.name}+prior(sigma={self.sigma:g})"
+        self.mode, self.draws_uniform = inner.mode, inner.draws_uniform
+
+    def check(self, block_length, steps_per_block):
+        self.inner.check(block_length, steps_per_block)
+
+    def start_block(self, cand):
+        self.inner.start_block(cand)
+
+    def select(self, call):
+        n = call.score.shape[1]
+        density = ops.certainty_density(call.region_decoded, self.sigma)
+        score = call.score * density[:, call.block_offset:call.block_offset + n].to(call.score.device)
+        return self.inner.select(RevealCall(score, call.cand, call.step, call.uniform,
+                                            call.region_decoded, call.block_offset))
 
 
 # ---- LLaDA / Fast-dLLM ---------------------------------------------------------

@@ -39,14 +39,16 @@ def _rope(x, pos, theta):
 
 
 def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor, run=None, kv=None,
-                 return_kv: bool = False):
+                 return_kv: bool = False, return_probs: bool = False):
     """Logits ``[B, T, V]`` (float64, unshifted) of canvas ``x`` with key mask ``valid``.
 
     With ``run`` (``[B, T]`` bool) and ``kv`` (per-layer post-RoPE ``(K, V)``
     ``[B, T, H_kv, d]`` from an earlier call), only the ``run`` tokens are
     computed: their K/V replace the stored ones, every other key comes from
     ``kv``; logits of tokens not run are 0. ``return_kv`` also returns the
-    updated per-layer K/V.
+    updated per-layer K/V; ``return_probs`` appends the per-layer head-averaged
+    attention probabilities ``[B, T, T]`` (rows of tokens not run are not
+    meaningful).
     """
     partial = run is not None
     cfg, sd = load_original(path_or_pair) if isinstance(path_or_pair, str) else path_or_pair
@@ -66,7 +68,7 @@ def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor, run=None, k
     pos = (valid.long().cumsum(1) - 1).clamp_min(0)
     run = torch.ones_like(valid) if run is None else run
     h = emb[x]
-    new_kv = []
+    new_kv, probs = [], []
     for i in range(L):
         if llada:
             p = f"model.transformer.blocks.{i}."
@@ -101,9 +103,12 @@ def dense_logits(path_or_pair, x: torch.Tensor, valid: torch.Tensor, run=None, k
         v = v.repeat_interleave(rep, dim=2)
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) / d ** 0.5
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-        att = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, nh * d)
+        pr = s.softmax(-1)
+        probs.append(pr.mean(1))
+        att = torch.einsum("bhqk,bkhd->bqhd", pr, v).reshape(B, T, nh * d)
         h = h + att @ w["o"].T
         f = _rms(h, w["fn"], eps)
         h = h + (torch.nn.functional.silu(f @ w["g"].T) * (f @ w["u"].T)) @ w["d"].T
     logits = (_rms(h, norm, eps) @ head.T) * run[..., None]
-    return (logits, new_kv) if return_kv else logits
+    out = (logits,) + ((new_kv,) if return_kv else ()) + ((probs,) if return_probs else ())
+    return out if len(out) > 1 else logits

@@ -1,0 +1,224 @@
+"""d²Cache (arXiv 2509.23094): after every call, choose per token what the next call recomputes.
+
+The first call of a decode is a full forward; after that only the selected
+tokens run (no block-start refresh). The tokens the next call runs are the
+union of
+
+1. **stage 1, masked tokens:** in the search window (the current block's start
+   to the end of the block holding the ``current_k``-th remaining mask),
+   masked tokens ranked by cached confidence × certainty density
+   D(σ) (``dllm.certainty_density`` of the generated region), in-block tokens
+   first, top ``current_k``. For Dream (logits shifted by one) the position
+   j−1 that predicts a chosen mask j is what runs (the last prompt token for
+   the first generated position);
+2. **newly revealed tokens** of the last call, whose input token, hence K/V,
+   changed;
+3. **stage 2, attention rollout:** ``dllm.rollout_scores`` of the attention
+   rows of the call just made gives every token's importance
+   ``g = 1ᵀ Ã_L ⋯ Ã_1``; ``dllm.nucleus_select`` with ``rollout_p`` (at least
+   one token) picks among the prompt and decoded tokens not already chosen.
+
+Differences from the reference code (Kamichanw/d2Cache at 72feb60,
+``src/cache/d2cache.py`` and ``src/generation/vanilla.py``), on purpose:
+
+- **Confidence cache refreshed.** The reference's update line is a no-op (an
+  operator-precedence slip and a write into a copy), so it ranks by the
+  first call's confidence for the whole decode. Here every call's fresh
+  logits overwrite the cached confidence of the masked tokens they predict.
+- **Only fresh tokens are candidates.** In the reference, masked tokens that
+  did not run get logits of zero (confidence ≈ 1/V) and can still be
+  committed. Here a masked token whose logits this call did not compute is
+  not a candidate of this call (the plan is a ``FreshLogitsPlan``, and the
+  loop drops such tokens from the call's candidates). Stage 1 always picks at least one masked token of
+  the current block first, so every call that runs has a candidate.
+- **Selection made at the start of each call, for that call's block.** The
+  reference selects in ``on_step_end`` with the block of the call just made;
+  when a block finishes, the next block's first call is still ranked by the
+  old block. Here the same stored state (confidence cache, importance,
+  revealed tokens) is ranked when the next call is planned, with its block.
+  With one block spanning the region (d²Cache's own setting) the two agree.
+- **No top-up.** The reference equalises the number of tokens per sequence
+  by adding tokens; here each row runs exactly its selection and the plan
+  pads with −1. A row whose current block has no masks left (it waits for
+  the others in a batch) runs nothing and keeps its state, so a row decodes
+  in a batch exactly as alone.
+- **Stage 2 candidates** are the valid prompt and decoded tokens not chosen by
+  stage 1 or as revealed tokens (the reference also lets masked tokens in;
+  here masked tokens are stage 1's, so ``current_k`` bounds them). Dream's
+  "last prompt token runs when the first mask is chosen" is added to the
+  selection; the reference assigns it, which can drop a rollout pick.
+
+Choices where the sources are silent:
+
+- The cached confidence is the largest softmax probability (temperature 0,
+  the mask token excluded) whatever the reveal rule, so the product with
+  D(σ) ranks "likely and near decoded text" for every rule (Dream's
+  neg-entropy is negative and would invert it).
+- Stage 1 ties (equal score) go to the lower position; in-block tokens rank
+  before out-of-block ones outright (the reference adds the row maximum to
+  their scores, which ties at zero).
+- The rollout of a call uses only the rows that ran in it: the first call's
+  full forward gives every row; later calls give identity rows for every
+  token not recomputed (exactly the reference's dense product).
+- ``selection_s`` accumulates the time of all of the policy's own work per
+  decode (density, ranking, rollout, nucleus, confidence refresh); with
+  ``sync_timing`` it synchronises the device around it (benchmarks only).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..plan import StepPlan, mask_to_idx
+from .base import Policy
+
+DEFAULTS = dict(rollout_p=0.1, current_k=32, sigma=10.0)
+
+
+@dataclass
+class FreshLogitsPlan(StepPlan):
+    """A StepPlan whose call may commit only the masked tokens it returns logits for:
+    the loop drops every other masked token from the call's candidates instead of
+    failing (d²Cache runs only some masks; the others have no fresh logits)."""
+    partial_logits = True  # a class attribute the loop reads, not a field
+
+
+def check_options(rollout_p, current_k, sigma) -> None:
+    """Raise ValueError naming the bad d2cache option."""
+    if isinstance(rollout_p, bool) or not isinstance(rollout_p, (int, float)) \
+            or not (0.0 < rollout_p <= 1.0):
+        raise ValueError(f"dllm_ops.generate: d2cache rollout_p must be in (0, 1], got {rollout_p!r}")
+    if isinstance(current_k, bool) or not isinstance(current_k, int) or current_k < 1:
+        raise ValueError(f"dllm_ops.generate: d2cache current_k must be an integer >= 1, got {current_k!r}")
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) \
+            or sigma <= 0:
+        raise ValueError(f"dllm_ops.generate: d2cache sigma must be a finite number > 0, got {sigma!r}")
+
+
+class D2Cache(Policy):
+    """d²Cache's two-stage selective recompute (see the module docstring)."""
+    name = "d2cache"
+    wants_probs = True
+
+    def __init__(self, rollout_p: float = DEFAULTS["rollout_p"], current_k: int = DEFAULTS["current_k"],
+                 sigma: float = DEFAULTS["sigma"], sync_timing: bool = False):
+        check_options(rollout_p, current_k, sigma)
+        self.rollout_p = float(rollout_p)
+        self.current_k = int(current_k)
+        self.sigma = float(sigma)
+        self.sync_timing = sync_timing
+        self._state = None
+        self.selection_s = 0.0
+
+    # -- the loop's hooks ---------------------------------------------------
+    def on_block_start(self, state) -> StepPlan:
+        if self._state is not state:  # the first call of a decode: the one full forward
+            self._begin(state)
+            return self._remember(state, state.valid_and_active())
+        return self.plan(state)
+
+    def plan(self, state) -> StepPlan:
+        t0 = self._tick(state)
+        valid = state.valid_and_active()
+        masked = state.masked() & valid
+        run = self._shift_to_predictor(state, self._stage1(state, masked)) | self._revealed
+        others = valid & ~masked & ~run
+        run |= ops.nucleus_select(self._importance, others, self.rollout_p, 1)
+        # Rows whose block has no masks left wait for the rest of the batch.
+        run &= valid & state.candidates().any(1, keepdim=True)
+        self.selection_s += self._tick(state) - t0
+        return self._remember(state, run)
+
+    def on_step_end(self, state, commit: torch.Tensor) -> None:
+        t0 = self._tick(state)
+        plan = self._plan
+        ran = (plan.idx >= 0).any(1)
+        self._refresh_confidence(state, plan, state.last_logits)
+        probs = state.cache.probs
+        # The rows each layer attended with (a per-layer reuse rule may drop
+        # some: model.step records them in cache.probs_idx); else the plan's.
+        rows = getattr(state.cache, "probs_idx", None)
+        row_idx = (torch.stack(rows) if rows and len(rows) == len(probs)
+                   else plan.idx.unsqueeze(0).expand(len(probs), *plan.idx.shape))
+        g = ops.rollout_scores(torch.stack(probs), row_idx, state.cache.key_valid)
+        self._importance = g if self._importance is None else torch.where(ran[:, None], g, self._importance)
+        self._revealed = torch.where(ran[:, None], commit, self._revealed)
+        self.selection_s += self._tick(state) - t0
+
+    # -- pieces -------------------------------------------------------------
+    def _begin(self, state) -> None:
+        B, T = state.x.shape
+        self._state = state
+        self._conf = torch.zeros(B, T, dtype=torch.float32, device=state.x.device)
+        self._importance = None
+        self._revealed = torch.zeros(B, T, dtype=torch.bool, device=state.x.device)
+        self._plan = None
+        self.selection_s = 0.0
+
+    def _remember(self, state, run: torch.Tensor) -> StepPlan:
+        """The plan running `run`, returning logits for every masked token it predicts."""
+        predicts = self._shift_to_predictor(state, state.masked() & state.valid_and_active())
+        self._plan = FreshLogitsPlan(mask_to_idx(run), mask_to_idx(predicts & run))
+        return self._plan
+
+    @staticmethod
+    def _shift_to_predictor(state, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions whose logits predict `tokens`: the tokens themselves, or j−1 for Dream."""
+        if not state.model.config.logit_shift:
+            return tokens
+        left = torch.roll(tokens, -1, dims=1)
+        left[:, -1] = False
+        return left
+
+    def _stage1(self, state, masked: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` the masked tokens chosen by confidence × density in the search window."""
+        gs, bl = state.gen_start, state.block_length
+        m = masked[:, gs:]                                          # [B, G]
+        B, G = m.shape
+        density = ops.certainty_density(~m, self.sigma)             # prompt known, right pad rule
+        score = self._conf[:, gs:] * density
+        k = self.current_k
+        col = torch.arange(G, device=m.device)
+        reach = m.cumsum(1) >= k
+        kth = torch.where(reach.any(1), reach.int().argmax(1), torch.full_like(reach[:, 0], G - 1, dtype=torch.long))
+        search_end = (kth // bl + 1) * bl - 1                         # end of the block holding it
+        b0, b1 = state.block_start - gs, state.block_end - gs
+        cand = m & (col >= b0) & (col <= search_end[:, None])
+        in_block = cand & (col < b1)
+        # Order: in-block first, then score descending, then position ascending
+        # (two stable sorts; non-candidates at -inf sort last).
+        by_score = torch.sort(torch.where(cand, score, float("-inf")), dim=1, descending=True,
+                              stable=True).indices
+        order = by_score.gather(1, torch.sort(in_block.gather(1, by_score).to(torch.uint8), dim=1,
+                                              descending=True, stable=True).indices)
+        take = torch.clamp(cand.sum(1), max=k)
+        chosen_sorted = col[None, :] < take[:, None]
+        chosen = torch.zeros_like(m).scatter_(1, order, chosen_sorted)
+        out = torch.zeros_like(masked)
+        out[:, gs:] = chosen
+        return out
+
+    def _refresh_confidence(self, state, plan: StepPlan, logits: torch.Tensor) -> None:
+        """Cache the max-probability confidence of every masked token this call predicted."""
+        rows = plan.logits_idx
+        if rows.shape[1] == 0:
+            return
+        B, P = rows.shape
+        V = logits.shape[-1]
+        suppress = torch.tensor([state.mask_id], device=logits.device)
+        _, conf = ops.token_confidence(logits.reshape(B * P, V).float(), "prob", 0.0, suppress, None)
+        target = rows + (1 if state.model.config.logit_shift else 0)
+        T = self._conf.shape[1]
+        # Padding rows go to a spare column that is dropped.
+        spare = torch.cat([self._conf, torch.zeros(B, 1, dtype=self._conf.dtype, device=self._conf.device)], 1)
+        spare.scatter_(1, torch.where(rows >= 0, target, T), conf.view(B, P))
+        self._conf = spare[:, :T].contiguous()
+
+    def _tick(self, state) -> float:
+        if self.sync_timing and state.x.is_cuda:
+            torch.cuda.synchronize(state.x.device)
+        return time.perf_counter()
