@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import time
 
 import torch
@@ -105,34 +106,59 @@ def cmd_decode(args) -> int:
           f"prompt={args.prompt_length} gen={args.gen_length} block={args.block_length} unmask={args.unmask}"
           f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}"
           f"{f' (first {args.max_blocks} block(s) only)' if args.max_blocks else ''}")
+    from bench.accuracy import parse_mode
+
     rows, base = [], None
     for cache in args.caches:
+        base_cache, dare, dare_opts = parse_mode(cache)
         t0 = time.perf_counter()
-        out = dllm_ops.generate(model, prompts, cache=cache, **kw)
+        out = dllm_ops.generate(model, prompts, cache=base_cache, dare=dare, dare_opts=dare_opts,
+                                time_layers=True, **kw)
         wall = time.perf_counter() - t0
         s = out.stats
         r = dict(cache=cache, nfe=s["nfe"], wall_s=wall, tokens_per_s=s["generated_tokens"] / wall,
-                 tokens_recomputed=s["tokens_recomputed"], model_tflops=s["model_flops"] / 1e12)
+                 tokens_recomputed=s["tokens_recomputed"], model_tflops=s["model_flops"] / 1e12,
+                 reuse=s.get("dare_reuse_share"), **_layer_latency(s))
         if base is None:
             base = r
         r["speedup_wall"] = base["wall_s"] / wall
         r["flops_ratio"] = base["model_tflops"] / r["model_tflops"]
+        # Per-layer latency of the calls after the block start, against the
+        # same cache mode without DARE when it ran in this run.
+        plain = next((p for p in rows if p["cache"] == base_cache), None)
+        r["layer_speedup"] = plain["layer_ms"] / r["layer_ms"] if plain and r["layer_ms"] else None
         rows.append(r)
         print(f"  {cache:<8} NFE={r['nfe']:<5} wall={wall:8.2f}s tok/s={r['tokens_per_s']:8.2f} "
               f"recomputed={r['tokens_recomputed']:<9} TFLOPs={r['model_tflops']:8.3f} "
-              f"speedup={r['speedup_wall']:5.2f}x flops-ratio={r['flops_ratio']:5.2f}x", flush=True)
+              f"speedup={r['speedup_wall']:5.2f}x flops-ratio={r['flops_ratio']:5.2f}x "
+              f"layer={r['layer_ms']:.2f}ms", flush=True)
     _print_table(rows)
     _write_csv(args.csv, rows)
     return 0
 
 
+def _layer_latency(stats) -> dict:
+    """Median per-layer wall time (ms) of the calls after each block start, pooled
+    over layers and per layer (from generate's time_layers)."""
+    calls = [t for t, start in zip(stats["layer_seconds"], stats["layer_seconds_block_start"]) if not start]
+    if not calls:
+        return dict(layer_ms=float("nan"), layer_ms_per_layer="")
+    per_layer = [statistics.median(c[i] for c in calls) * 1e3 for i in range(len(calls[0]))]
+    return dict(layer_ms=statistics.median(x for c in calls for x in c) * 1e3,
+                layer_ms_per_layer=" ".join(f"{x:.2f}" for x in per_layer))
+
+
 def _print_table(rows):
-    hdr = f"{'cache':<8} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'TFLOPs':>9} {'speedup':>8} {'flops x':>8}"
+    hdr = (f"{'cache':<12} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'TFLOPs':>9} {'speedup':>8} "
+           f"{'flops x':>8} {'reused':>7} {'layer_ms':>9} {'layer x':>8}  per-layer ms")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['cache']:<8} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
-              f"{r['tokens_recomputed']:>11} {r['model_tflops']:>9.3f} {r['speedup_wall']:>8.2f} {r['flops_ratio']:>8.2f}")
+        reuse = f"{r['reuse']:.1%}" if r["reuse"] is not None else "-"
+        lx = f"{r['layer_speedup']:.2f}" if r["layer_speedup"] is not None else "-"
+        print(f"{r['cache']:<12} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
+              f"{r['tokens_recomputed']:>11} {r['model_tflops']:>9.3f} {r['speedup_wall']:>8.2f} "
+              f"{r['flops_ratio']:>8.2f} {reuse:>7} {r['layer_ms']:>9.2f} {lx:>8}  {r['layer_ms_per_layer']}")
 
 
 def _write_csv(path, rows):
@@ -150,7 +176,8 @@ def add_parser(sub) -> None:
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random weights at real layer shapes")
     p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
     p.add_argument("--caches", nargs="+", default=None,
-                   help="cache modes (default none prefix dual; with --task also the diagnostic stale)")
+                   help="cache modes (default none prefix dual; with --task also the diagnostic stale); "
+                        "CACHE+kv@RHO / CACHE+o@RHO add DARE-KV / DARE-O (e.g. dual+kv@0.75)")
     p.add_argument("--task", nargs="+", help="accuracy run on the task suite ('all' for every task)")
     p.add_argument("--n", type=int, default=500, help="problems per task with --task")
     p.add_argument("--batch", type=int, default=1)
