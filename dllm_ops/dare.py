@@ -127,6 +127,7 @@ class DareReuse:
         # statistics
         self.ran = [0] * n_layers            # (layer, token) pairs run in reuse-eligible calls
         self.reused = [0] * n_layers
+        self.reused_still = [0] * n_layers   # ... of which had drift 0 (query unchanged)
         self.ran_all = [0] * n_layers        # ... in every call, block starts included
         self.flops_saved = 0.0
         self.call_refresh: list[bool] = []
@@ -202,6 +203,7 @@ class DareReuse:
         self.ran[layer] += n_run
         n_reused = int(reuse.sum())
         self.reused[layer] += n_reused
+        self.reused_still[layer] += int((reuse & (drift == 0)).sum())
         self.flops_saved += n_reused * self.flops_per_reused_row(T)
         self._log(layer, reuse, idx, T)
         if not bool(reuse.any()):
@@ -253,6 +255,8 @@ class DareReuse:
                  dare_reuse_share_all_calls=reused / ran_all if ran_all else 0.0,
                  dare_reuse_share_per_layer=[r / n if n else 0.0 for r, n in zip(self.reused, self.ran)],
                  dare_activations_run=ran, dare_activations_reused=reused,
+                 dare_reused_with_zero_drift_per_layer=[z / r if r else 0.0
+                                                        for z, r in zip(self.reused_still, self.reused)],
                  dare_flops_saved=self.flops_saved)
         return s
 

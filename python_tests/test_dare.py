@@ -247,6 +247,9 @@ def test_stats_per_layer(ckpts):
     assert s["dare_activations_reused"] == sum(per_layer)
     assert s["dare_reuse_share"] == pytest.approx(sum(per_layer) / s["dare_activations_run"])
     assert len(s["dare_reuse_share_per_layer"]) == model.config.n_layers
+    # every masked token's layer-0 query is unchanged between calls (same input): drift 0
+    zero = s["dare_reused_with_zero_drift_per_layer"]
+    assert len(zero) == model.config.n_layers and zero[0] == 1.0 and all(0 <= z <= 1 for z in zero)
     assert 0.5 < s["dare_reuse_share"] < 0.8
     assert s["dare_flops_saved"] > 0
     base = dllm_ops.generate(model, PROMPT, cache="dual", **_kw("llada")).stats
