@@ -308,3 +308,20 @@ def test_composes_with_packed_kv_cache(ckpts, dare):
     some = dllm_ops.generate(model, PROMPTS, dare=dare, dare_opts=dict(rho=0.5), **kw)
     assert 0.3 < some.stats["dare_reuse_share"] <= 0.5
     assert model.config.mask_id not in some.tokens.flatten().tolist()
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("dare", ["kv", "o"])
+def test_composes_with_d2cache(ckpts, arch, dare):
+    """DARE narrows the tokens d²Cache runs: nothing reused equals d²Cache
+    alone; with reuse the decode completes and reuses its share (d²Cache's
+    rollout takes DARE-O's reused rows as not recomputed via cache.probs_idx,
+    which test_dare_o_attention_rows_of_reused_tokens_are_marked checks)."""
+    model, _ = ckpts[arch]
+    kw = dict(_kw(arch), cache="d2cache")
+    base = dllm_ops.generate(model, PROMPTS, **kw)
+    none = dllm_ops.generate(model, PROMPTS, dare=dare, dare_opts=dict(rho=0.0), **kw)
+    assert torch.equal(none.tokens, base.tokens)
+    some = dllm_ops.generate(model, PROMPTS, dare=dare, dare_opts=dict(rho=0.5), **kw)
+    assert 0.3 < some.stats["dare_reuse_share"] <= 0.5
+    assert model.config.mask_id not in some.tokens.flatten().tolist()
