@@ -33,7 +33,7 @@ def run(args) -> dict:
 
     from ..models import load
     from ..quant.policy_table import PolicyTable, model_fingerprint
-    from ..tasks import BLOCK_LENGTH, TASKS, calibration_pairs
+    from ..tasks import BLOCK_LENGTH, TASKS, calibration_pairs, task_names
     from .select import (BIT_PENALTY, K_BITS_CAP, MIN_RECORDS, TOPK, WEIGHTS, WIN_RATE, CANDIDATES,
                          choose, collect, policy_k_bits)
     from .trace import Schedule, load_artifact, save_artifact, trace
@@ -42,10 +42,15 @@ def run(args) -> dict:
     model = load(path, dtype=torch.float32)
     c = model.config
     eos = c.eos_id
-    header = dict(model=name, fingerprint=model_fingerprint(model), split="calib", n=args.n,
+    tasks = task_names(args.tasks)
+    header = dict(model=name, fingerprint=model_fingerprint(model), split="calib", n=args.n, tasks=tasks,
                   seed=args.seed, block_length=BLOCK_LENGTH, steps_per_block=args.steps_per_block,
                   max_rounds=args.rounds, first_at_block_start=c.logit_shift)
-    pairs = calibration_pairs(args.n, args.seed)
+    pairs = calibration_pairs(args.n, args.seed, tasks)
+    for p in pairs:
+        if max(p.prompt_ids + p.answer_ids) >= c.vocab_size:
+            raise SystemExit(f"dllm_ops.calibrate: task {p.task!r} uses token ids beyond the model's "
+                             f"vocabulary ({c.vocab_size}); choose --tasks the model was trained on")
     trace_path = args.trace or args.out + ".trace.json"
     done = []
     if os.path.exists(trace_path):
@@ -79,7 +84,7 @@ def run(args) -> dict:
     bar.close()
     layers, report = choose(records, c.n_layers, args.bits)
     meta = dict(method="dLLM-KVQ policy selection (dllm_ops/calibrate/select.py)", split="calib",
-                n_samples=len(trajectories), seed=args.seed, steps_per_block=args.steps_per_block,
+                n_samples=len(trajectories), tasks=tasks, seed=args.seed, steps_per_block=args.steps_per_block,
                 trace=os.path.basename(trace_path), weights=WEIGHTS, win_rate_gate=WIN_RATE,
                 k_bits_cap=K_BITS_CAP[args.bits], bit_penalty_per_bit=BIT_PENALTY, topk=TOPK,
                 min_records=MIN_RECORDS,
@@ -101,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--bits", required=True, type=int, choices=[2, 4])
     p.add_argument("--out", required=True, help="policy table (JSON) to write")
     p.add_argument("--n", type=int, default=8, help="calibration samples (the paper uses 8)")
+    p.add_argument("--tasks", default="all", help="calib tasks to cycle through (all | a,b,...)")
     p.add_argument("--seed", type=int, default=0, help="which calib pairs")
     p.add_argument("--steps-per-block", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4, help="TRACE refinement round limit")
