@@ -12,7 +12,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_home.py)
 export CUDA_HOME
 
-.PHONY: venv build test pytest ctest sanitize demo tiny-models gpu-check clean
+.PHONY: venv build eval test pytest ctest sanitize demo tiny-models gpu-check clean
 
 # ---- set-up ------------------------------------------------------------------
 $(VENV)/.deps-stamp: requirements.txt
@@ -24,10 +24,17 @@ $(VENV)/.deps-stamp: requirements.txt
 venv: $(VENV)/.deps-stamp
 
 # Incremental (ninja) in-place build; a .pth makes `import dllm_ops` work from
-# anywhere inside the venv.
+# anywhere inside the venv, another lets the plain `lm_eval` command find the
+# model `dllm_ops` (_dllm_ops_lm_eval.py; it imports nothing until lm_eval loads).
+PURELIB = $$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 build: venv
 	$(VPY) setup.py -q build_ext --inplace
-	echo "$(CURDIR)" > "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dllm_ops.pth"
+	echo "$(CURDIR)" > "$(PURELIB)/dllm_ops.pth"
+	echo "import _dllm_ops_lm_eval" > "$(PURELIB)/dllm_ops_lm_eval.pth"
+
+# lm-eval (optional): `lm_eval --model dllm_ops ...` (dllm_ops/lm_eval_model.py).
+eval: build
+	$(VPY) -m pip install -q "lm_eval>=0.4,<0.5"
 
 # ---- tests -------------------------------------------------------------------
 test: build

@@ -17,6 +17,7 @@ import os
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -68,6 +69,20 @@ def extensions():
     return [CppExtension("dllm_ops._C", sources, extra_compile_args={"cxx": cxx}, **common)]
 
 
+# `lm_eval --model dllm_ops` (the optional [eval] extra): lm-eval knows only its
+# own models, so a one-line .pth imports _dllm_ops_lm_eval.py at start-up, which
+# registers the model once lm_eval loads its model list (`make build` writes the
+# same .pth for the in-place build).
+LM_EVAL_PTH = "dllm_ops_lm_eval.pth"
+
+
+class BuildPyWithLmEvalHook(build_py):
+    def run(self):
+        super().run()
+        with open(os.path.join(self.build_lib, LM_EVAL_PTH), "w") as f:
+            f.write("import _dllm_ops_lm_eval\n")
+
+
 setup(
     name="dllm_ops",
     version="0.1.0",
@@ -75,7 +90,9 @@ setup(
     packages=find_packages(include=["dllm_ops", "dllm_ops.*", "bench", "bench.*"]),
     # The shipped tiny models (weights, tokenizer, training log).
     package_data={"dllm_ops": ["checkpoints/*/*"]},
+    py_modules=["_dllm_ops_lm_eval"],
+    extras_require={"eval": ["lm_eval>=0.4,<0.5"]},
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithLmEvalHook},
     python_requires=">=3.10",
 )

@@ -1,0 +1,144 @@
+"""The lm-eval model `dllm_ops` (dllm_ops/lm_eval_model.py) and the generated
+local task (scripts/make_lm_eval_task.py). Skipped without lm_eval (an
+optional extra: pip install .[eval]); CI installs only requirements.txt."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("safetensors")
+import torch
+from lm_eval.api.instance import Instance
+
+import dllm_ops
+from dllm_ops.lm_eval_model import DllmOpsLM
+from dllm_ops.options import OptionError
+from dllm_ops.policies import POLICIES
+from dllm_ops.tasks import TASKS, problems
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from make_lm_eval_task import write_tasks  # noqa: E402
+
+BASE = dict(pretrained="tiny-llada", dtype="float32", device="cpu", block_length=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dllm_ops.load("tiny-llada", dtype=torch.float32)
+
+
+def _requests(ps, **gen_kwargs):
+    gk = {"until": ["<eos>"], "max_gen_toks": 16, "do_sample": False, **gen_kwargs}
+    return [Instance("generate_until", doc={}, arguments=(p.prompt, dict(gk)), idx=i)
+            for i, p in enumerate(ps)]
+
+
+def _direct(model, ps, **kw):
+    out = dllm_ops.generate(model, [list(p.prompt_ids) for p in ps], **kw)
+    return [model.tokenizer.decode(s) for s in out.sequences]
+
+
+@pytest.mark.parametrize("cache", sorted(POLICIES))
+def test_generate_until_is_generate_in_batches(model, cache):
+    ps = problems("add", 5, seed=1) + problems("scan", 4, seed=1)
+    lm = DllmOpsLM(**BASE, cache=cache, unmask="threshold", threshold=0.9, batch_size=4)
+    got = lm.generate_until(_requests(ps))
+    want = _direct(model, ps, cache=cache, unmask="threshold", threshold=0.9, gen_length=16,
+                   block_length=16)
+    assert got == want
+    assert len(lm.decode_stats) == 3 and all(s["cache"] == cache for s in lm.decode_stats)
+
+
+def test_until_and_max_gen_toks_cut_the_text(model):
+    ps = problems("sub", 3, seed=2)
+    lm = DllmOpsLM(**BASE, cache="dual", unmask="threshold", threshold=0.9, batch_size=3)
+    full = _direct(model, ps, cache="dual", unmask="threshold", threshold=0.9, gen_length=48,
+                   block_length=16)
+    gen = lm.generate_until(_requests(ps, max_gen_toks=48))
+    assert gen == full
+    # max_gen_toks = 5: five words (gen_length rounds up to one block of 16)
+    short = lm.generate_until(_requests(ps, max_gen_toks=5))
+    assert short == [" ".join(t.split()[:5]) for t in full]
+    assert lm.decode_stats[-1]["blocks"] == 1
+    # a stop string: the text ends before its first occurrence
+    stop = full[0].split()[3]
+    cut = lm.generate_until(_requests(ps[:1], until=[f" {stop} "], max_gen_toks=48))
+    assert cut == [full[0][: full[0].index(f" {stop} ")]]
+
+
+def test_model_args_pass_through_to_generate(model):
+    ps = problems("add", 2, seed=3)
+    lm = DllmOpsLM.create_from_arg_string(
+        "pretrained=tiny-llada,dtype=float32,cache=prefix,unmask=topk,steps=8,gen_length=16,"
+        "block_length=8,seed=3,stop_at_eos=false", {"batch_size": "2", "device": None})
+    got = lm.generate_until(_requests(ps))
+    want = _direct(model, ps, cache="prefix", unmask="topk", steps=8, gen_length=16, block_length=8,
+                   seed=3, stop_at_eos=False)
+    assert got == want
+    assert lm.decode_stats[0]["nfe"] == 8 and lm.batch_size == 2
+    with pytest.raises(OptionError, match="unknown generate option 'bogus'"):
+        DllmOpsLM(**BASE, bogus=1)
+    with pytest.raises(OptionError, match="batch_size must be a positive integer, got 'auto'"):
+        DllmOpsLM(**BASE, batch_size="auto")
+
+
+def test_loglikelihood_says_it_is_not_implemented():
+    lm = DllmOpsLM(**BASE)
+    req = Instance("loglikelihood", doc={}, arguments=("a", "b"), idx=0)
+    with pytest.raises(NotImplementedError, match="loglikelihood is not implemented.*Monte Carlo"):
+        lm.loglikelihood([req])
+    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
+        lm.loglikelihood_rolling([req])
+
+
+def test_plain_lm_eval_finds_the_model():
+    """The start-up hook (_dllm_ops_lm_eval, loaded by the .pth `make build`
+    writes) registers `dllm_ops` once lm_eval's model list is imported, next to
+    lm-eval's own models."""
+    code = ("import _dllm_ops_lm_eval\nfrom lm_eval.api.registry import get_model\n"
+            "print(get_model('dllm_ops').__module__, get_model('dummy').__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["dllm_ops.lm_eval_model", "DummyLM"]
+
+
+def _known_tasks(tokenizer):
+    """The suite's tasks the shipped model's vocabulary covers."""
+    out = []
+    for t in TASKS:
+        p = problems(t, 1)[0]
+        if tuple(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) == p.prompt_ids:
+            out.append(t)
+    return out
+
+
+def test_lm_eval_exact_match_equals_bench_accuracy(model, tmp_path, monkeypatch):
+    """lm_eval's simple_evaluate on the generated task scores what bench decode
+    scores on the same problems (dual cache, threshold 0.9, block 16)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    sys.path.insert(0, ROOT)
+    from bench.accuracy import run_accuracy
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    n = 12
+    names = _known_tasks(model.tokenizer)
+    write_tasks(str(tmp_path), names, n=n, seed=5, tokenizer=model.tokenizer)
+    res = simple_evaluate(model="dllm_ops",
+                          model_args=dict(BASE, cache="dual", unmask="threshold", threshold=0.9),
+                          tasks=["dllm_tasks"], batch_size=n,
+                          task_manager=TaskManager(include_path=str(tmp_path)))
+    rows = run_accuracy(None, names, n=n, caches=["dual"], threshold=0.9, seed=5, progress=False,
+                        batch_size=n, model=model)
+    bench = {r["task"]: r["accuracy"] for r in rows if r["cache"] == "dual"}
+    for t in names:
+        assert res["results"][f"dllm_{t}"]["exact_match,none"] == pytest.approx(bench[t], abs=1e-12), t
+    assert res["results"]["dllm_tasks"]["exact_match,none"] == pytest.approx(bench["all"], abs=1e-12)
+    saved = json.loads(json.dumps(res["config"]["model_args"]))
+    assert saved["cache"] == "dual"
