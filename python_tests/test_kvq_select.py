@@ -92,3 +92,28 @@ def test_calibrate_cli_end_to_end(tmp_path):
     with pytest.raises(ValueError, match="not valid JSON"):
         calibrate_main(args)
     assert out.read_text() == first   # the table was not touched
+
+
+def test_fingerprint_is_the_same_in_fp32_and_bf16(tmp_path):
+    from dllm_ops.quant.policy_table import model_fingerprint
+    make_checkpoint(str(tmp_path), "dream", seed=2)
+    a = model_fingerprint(load(str(tmp_path), dtype=torch.float32))
+    b = model_fingerprint(load(str(tmp_path), dtype=torch.bfloat16))
+    assert a == b
+    make_checkpoint(str(tmp_path), "dream", seed=3)
+    assert model_fingerprint(load(str(tmp_path), dtype=torch.float32)) != a
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_shipped_tables_fit_the_shipped_models(name):
+    """A retrained checkpoint needs new tables: regenerate them with
+    `python -m dllm_ops.calibrate --model NAME --cache C --bits B --out
+    dllm_ops/checkpoints/NAME/kvq/C-Bbit.json` (README, "dLLM-KVQ")."""
+    import os
+    path = os.path.join(os.path.dirname(dllm_ops.__file__), "checkpoints", name)
+    model = load(path, dtype=torch.bfloat16)
+    for cache in ("prefix", "dual"):
+        for bits in (4, 2):
+            table = PolicyTable.load(os.path.join(path, "kvq", f"{cache}-{bits}bit.json"))
+            table.check(model, cache, bits, 32)
+            assert all(policy_k_bits(bits, l.p) <= K_BITS_CAP[bits] for l in table.layers)

@@ -49,12 +49,14 @@ def _err(msg: str) -> PolicyTableError:
 
 def model_fingerprint(model) -> dict:
     """Shape fields of the model's config plus the sha256 of a weight sample
-    (the first 8 rows of the embedding and of the LM head, as float32 bytes):
-    cheap even at 8B, and it changes whenever the model is retrained."""
+    (the first 8 rows of the embedding and of the LM head, rounded to bf16 and
+    hashed as float32 bytes, so a model loaded in fp32 or bf16 has one
+    fingerprint): cheap even at 8B, and it changes whenever the model is
+    retrained."""
     c = model.config
     h = hashlib.sha256()
     for w in (model.embed.weight, model.lm_head.weight):
-        h.update(w[:8].detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(w[:8].detach().to(torch.bfloat16).float().cpu().contiguous().numpy().tobytes())
     return dict(arch=c.arch, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                 head_dim=c.head_dim, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
                 weights_sha256=h.hexdigest())
