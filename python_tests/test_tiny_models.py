@@ -111,7 +111,7 @@ def test_training_script_reproduces_the_recorded_run(name):
     with open(os.path.join(CKPTS, name, "train_log.json")) as f:
         log = json.load(f)
     assert log["preset"] == train.PRESETS[name] and log["recipe"] == train.recipe_of(name)
-    assert log["task_weights"] == train.task_weights_of(name)
+    assert log["task_weights"] == train.task_weights_of()
     stop = train.REPRO_STEPS
     got = train.train(log["preset"], log["recipe"], None, log["task_weights"], stop_after=stop,
                       progress=lambda s: None)

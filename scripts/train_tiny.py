@@ -64,37 +64,33 @@ PRESETS = {
 # weighted up to 1000) carry most of the gradient. At batch 32 that noise kept
 # `add` and `scan` on their plateaus: in add+scan runs, `add`'s held-out loss
 # after 500 steps was 0.81 with eps 1e-3, 0.50 with 0.05 and 0.06 with 0.2.
-RECIPE = dict(steps=1300, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=0.2, seed=0,
+RECIPE = dict(steps=1500, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=0.2, seed=0,
               eval_every=50)
-# Each model's run: the recipe with these fields changed (see
-# dllm_ops/checkpoints/README.md for the runs tried).
-RUNS = {"tiny-llada": dict(seed=2, steps=1500), "tiny-dream": dict(seed=0)}
+# The seed of each model's run (the recipe's default); see
+# dllm_ops/checkpoints/README.md for the runs tried.
+SEEDS = {"tiny-llada": 2, "tiny-dream": 0}
 
 
 def recipe_of(name: str) -> dict:
     """The recipe of a model's run."""
-    return dict(RECIPE, **RUNS[name])
+    return dict(RECIPE, seed=SEEDS[name])
 
 
-# Micro-batch multiplier per task and model (default 1); a task's loss counts
-# in proportion to it. `scan` and `lag2` pay off only once the model reads
-# committed answer tokens (`scan` one back, `lag2` two back; for Dream, with
-# its logit shift, none and one back), a circuit that the training signal
-# (visible neighbours only) builds slowly. `sub`, learnt in a few hundred
-# steps, gets half (its 94-token sequences are the longest, and the time
-# saved buys steps).
-# - tiny-dream: `scan` and `lag2` twice (1300 steps fit in the budget).
-# - tiny-llada: with those weights `add`'s share of each update fell from
-#   1/3.5 to 1/5.5 and, at step 750, `add`, `scan` and `lag2` were all still on
-#   their plateaus; at 1 / 1 the shares and the cost of a step are those of
-#   the previous three-task recipe (add 1, scan 2, sub 0.5), and 1500 steps fit.
-TASK_WEIGHTS = {"tiny-llada": {"sub": 0.5},
-                "tiny-dream": {"scan": 2, "sub": 0.5, "lag2": 2}}
+# Micro-batch multiplier per task (default 1); a task's loss counts in
+# proportion to it. `sub`, learnt in a few hundred steps, gets half (its
+# 94-token sequences are the longest, and the time saved buys steps). With
+# four tasks the shares and the cost of a step are those of the previous
+# three-task recipe (add 1, scan 2, sub 0.5): `scan` and `lag2` both need a
+# circuit that reads committed answer tokens, and share its old weight. Giving
+# each of them 2 (1300 steps to stay in budget) cut `add`'s share of an update
+# from 1/3.5 to 1/5.5, and at step 850-900 neither model had left `add`'s
+# plateau (dllm_ops/checkpoints/README.md).
+TASK_WEIGHTS = {"sub": 0.5}
 
 
-def task_weights_of(name: str, tasks: list[str] | None = None) -> dict[str, float]:
-    """Micro-batch multiplier of every task in a model's run."""
-    return {t: TASK_WEIGHTS[name].get(t, 1) for t in tasks or TASKS}
+def task_weights_of(tasks: list[str] | None = None) -> dict[str, float]:
+    """Micro-batch multiplier of every task of a run."""
+    return {t: TASK_WEIGHTS.get(t, 1) for t in tasks or TASKS}
 
 
 # How far python_tests/test_tiny_models.py re-runs the recorded training.
@@ -331,7 +327,7 @@ def main(argv=None) -> int:
         k, v = kv.split("=")
         preset[k] = type(preset[k])(v)
     out = None if a.out == "-" else a.out or os.path.join(CKPT_DIR, a.model)
-    weights = task_weights_of(a.model, a.tasks.split(",") if a.tasks else None)
+    weights = task_weights_of(a.tasks.split(",") if a.tasks else None)
     log = train(preset, recipe, out, weights, acc_n=a.acc_n, probe_every=a.probe_every, threads=a.threads)
     print(f"trained {a.model} in {log['train_seconds']:.0f}s" + (f" -> {out}" if out else ""))
     return 0
