@@ -11,15 +11,17 @@ extern "C" PyObject* PyInit__C(void) {
   return PyModule_Create(&module_def);
 }
 
+// Defaults equal the typed wrappers' in dllm_ops/ops.py (python_tests/test_schemas.py
+// compares them), so torch.ops.dllm.<op> takes the same optional arguments.
 TORCH_LIBRARY(dllm, m) {
   // ---- family: select -------------------------------------------------------
   m.def("cosine_drift(Tensor x, Tensor x_prev) -> Tensor");
-  m.def("token_confidence(Tensor logits, str mode, float temperature, Tensor? suppress, "
-        "Tensor? noise) -> (Tensor token, Tensor score)");
-  m.def("select_transfer(Tensor score, Tensor candidate, str rule, Tensor? k, float threshold, "
-        "float factor) -> Tensor");
-  m.def("certainty_density(Tensor decoded, float sigma, bool left_known, bool right_known) "
-        "-> Tensor");
+  m.def("token_confidence(Tensor logits, str mode=\"prob\", float temperature=0.0, "
+        "Tensor? suppress=None, Tensor? noise=None) -> (Tensor token, Tensor score)");
+  m.def("select_transfer(Tensor score, Tensor candidate, str rule, Tensor? k=None, "
+        "float threshold=0.9, float factor=1.0) -> Tensor");
+  m.def("certainty_density(Tensor decoded, float sigma=10.0, bool left_known=True, "
+        "bool right_known=False) -> Tensor");
   m.def("drift_select(Tensor drift, Tensor region, float reuse_fraction, int max_recompute) "
         "-> (Tensor reuse, Tensor recompute_idx, Tensor recompute_count)");
   m.def("drift_select_threshold(Tensor drift, Tensor region, float threshold, "
@@ -28,19 +30,20 @@ TORCH_LIBRARY(dllm, m) {
   m.def("rope_scatter_kv(Tensor(a!) q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor idx) -> ()");
   m.def("sparse_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? key_valid, "
-        "float scale, bool return_probs) -> (Tensor out, Tensor probs_mean)");
+        "float scale, bool return_probs=False) -> (Tensor out, Tensor probs_mean)");
   m.def("gather_rows(Tensor x, Tensor idx) -> Tensor");
   m.def("scatter_rows(Tensor(a!) dst, Tensor src, Tensor idx) -> ()");
   // ---- family: rollout ------------------------------------------------------
   m.def("rollout_scores(Tensor probs_rows, Tensor row_idx, Tensor valid) -> Tensor");
-  m.def("nucleus_select(Tensor scores, Tensor candidate, float p, int min_k) -> Tensor");
+  m.def("nucleus_select(Tensor scores, Tensor candidate, float p, int min_k=1) -> Tensor");
   // ---- family: quant --------------------------------------------------------
-  m.def("quantize_k(Tensor k, int bits, int group, int protect_p, Tensor? importance) -> "
+  m.def("quantize_k(Tensor k, int bits=4, int group=32, int protect_p=0, "
+        "Tensor? importance=None) -> "
         "(Tensor codes, Tensor scale, Tensor min, Tensor prot_idx, Tensor prot_val)");
   m.def("dequantize_k(Tensor codes, Tensor scale, Tensor min, Tensor prot_idx, Tensor prot_val, "
         "int bits, int group, int length) -> Tensor");
-  m.def("k_quant_error(Tensor k, int bits, int group) -> Tensor");
-  m.def("quantize_v(Tensor v, int bits, int group) -> (Tensor codes, Tensor scale, Tensor min)");
+  m.def("k_quant_error(Tensor k, int bits=4, int group=32) -> Tensor");
+  m.def("quantize_v(Tensor v, int bits=4, int group=32) -> (Tensor codes, Tensor scale, Tensor min)");
   m.def("dequantize_v(Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
   m.def("quant_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_min, "
         "Tensor k_prot_idx, Tensor k_prot_val, int k_bits, int k_group, Tensor v_codes, "

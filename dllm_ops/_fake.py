@@ -18,21 +18,21 @@ def _cosine_drift_fake(x, x_prev):
 
 
 @torch.library.register_fake("dllm::token_confidence")
-def _token_confidence_fake(logits, mode, temperature, suppress, noise):
+def _token_confidence_fake(logits, mode="prob", temperature=0.0, suppress=None, noise=None):
     torch._check(logits.dim() == 2, lambda: "dllm::token_confidence: logits must have 2 dims")
     n = logits.shape[0]
     return (logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.float32))
 
 
 @torch.library.register_fake("dllm::select_transfer")
-def _select_transfer_fake(score, candidate, rule, k, threshold, factor):
+def _select_transfer_fake(score, candidate, rule, k=None, threshold=0.9, factor=1.0):
     torch._check(score.dim() == 2, lambda: "dllm::select_transfer: score must have 2 dims")
     torch._check(score.shape == candidate.shape, lambda: "dllm::select_transfer: shape mismatch")
     return candidate.new_empty(score.shape, dtype=torch.bool)
 
 
 @torch.library.register_fake("dllm::certainty_density")
-def _certainty_density_fake(decoded, sigma, left_known, right_known):
+def _certainty_density_fake(decoded, sigma=10.0, left_known=True, right_known=False):
     torch._check(decoded.dim() == 2, lambda: "dllm::certainty_density: decoded must have 2 dims")
     return decoded.new_empty(decoded.shape, dtype=torch.float32)
 
@@ -69,7 +69,7 @@ def _rollout_scores_fake(probs_rows, row_idx, valid):
 
 
 @torch.library.register_fake("dllm::nucleus_select")
-def _nucleus_select_fake(scores, candidate, p, min_k):
+def _nucleus_select_fake(scores, candidate, p, min_k=1):
     torch._check(scores.dim() == 2, lambda: "dllm::nucleus_select: scores must have 2 dims")
     torch._check(scores.shape == candidate.shape, lambda: "dllm::nucleus_select: shape mismatch")
     return scores.new_empty(scores.shape, dtype=torch.bool)
@@ -86,7 +86,7 @@ def _rope_scatter_kv_fake(q, k, v, positions, cos_sin, k_cache, v_cache, idx):
 
 
 @torch.library.register_fake("dllm::sparse_attention")
-def _sparse_attention_fake(q, k_cache, v_cache, key_valid, scale, return_probs):
+def _sparse_attention_fake(q, k_cache, v_cache, key_valid, scale, return_probs=False):
     torch._check(q.dim() == 4 and k_cache.dim() == 4,
                  lambda: "dllm::sparse_attention: q and k_cache must have 4 dims")
     torch._check(q.dtype == k_cache.dtype == v_cache.dtype,
@@ -117,7 +117,7 @@ def _quant_n_groups(T, group):
 
 
 @torch.library.register_fake("dllm::quantize_k")
-def _quantize_k_fake(k, bits, group, protect_p, importance):
+def _quantize_k_fake(k, bits=4, group=32, protect_p=0, importance=None):
     torch._check(k.dim() == 4, lambda: "dllm::quantize_k: k must have 4 dims")
     torch._check(bits in (2, 4), lambda: "dllm::quantize_k: bits must be 2 or 4")
     B, H, T, d = k.shape
@@ -137,13 +137,13 @@ def _dequantize_k_fake(codes, scale, min, prot_idx, prot_val, bits, group, lengt
 
 
 @torch.library.register_fake("dllm::k_quant_error")
-def _k_quant_error_fake(k, bits, group):
+def _k_quant_error_fake(k, bits=4, group=32):
     torch._check(k.dim() == 4, lambda: "dllm::k_quant_error: k must have 4 dims")
     return k.new_empty(k.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("dllm::quantize_v")
-def _quantize_v_fake(v, bits, group):
+def _quantize_v_fake(v, bits=4, group=32):
     torch._check(v.dim() == 4, lambda: "dllm::quantize_v: v must have 4 dims")
     torch._check(bits in (2, 4), lambda: "dllm::quantize_v: bits must be 2 or 4")
     B, H, T, d = v.shape
