@@ -53,13 +53,11 @@ def synthetic_model(name: str, layers: int, dtype: torch.dtype, seed: int = 0):
 
 
 def resolve_model(name: str) -> str:
-    if os.path.isdir(name):
-        return name
-    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "dllm_ops", "checkpoints", name)
-    if os.path.isdir(shipped):
-        return shipped
-    raise SystemExit(f"bench decode: no checkpoint folder {name!r} (nor dllm_ops/checkpoints/{name})")
+    from dllm_ops.models import CheckpointError, resolve_checkpoint
+    try:
+        return resolve_checkpoint(name)
+    except CheckpointError as e:
+        raise SystemExit(f"bench decode: {e}") from None
 
 
 def cmd_decode(args) -> int:
@@ -90,6 +88,9 @@ def cmd_decode(args) -> int:
     else:
         model = dllm_ops.load(resolve_model(args.model), dtype=dtype)
         label = args.model
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench decode: --device cuda requested but no GPU is visible")
+    model = model.to(args.device)
     c = model.config
     g = torch.Generator().manual_seed(args.seed)
     special = {c.mask_id, c.eos_id, c.pad_id}
@@ -192,6 +193,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-blocks", type=int, default=None,
                    help="decode only the first N blocks (cost measurements on slow machines)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv")

@@ -16,6 +16,8 @@ import torch
 import dllm_ops
 
 BACKENDS = ["cpu", "sim", "cuda"]
+# Models and the decode loop run on real devices only (the simulator runs kernels).
+MODEL_DEVICES = ["cpu", "cuda"]
 
 
 def has_real_cuda() -> bool:

@@ -1,5 +1,30 @@
 import os
 import sys
 
+import pytest
+
 # Tests import helpers as top-level modules (backends, sim.build).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# `make gpu-check` (DLLM_REQUIRE_CUDA=1): a skipped test or module is a failure,
+# so a GPU run cannot pass by skipping what it came to check.
+_STRICT = os.environ.get("DLLM_REQUIRE_CUDA") == "1"
+
+
+def _fail_skip(report, what):
+    if _STRICT and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{what} skipped under DLLM_REQUIRE_CUDA=1 (make gpu-check): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip(outcome.get_result(), item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_skip(outcome.get_result(), collector.nodeid)

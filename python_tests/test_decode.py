@@ -9,21 +9,29 @@ from dllm_ops.decode import DecodeError, quota_schedule
 from dllm_ops.models import load
 from ref_generate import ref_dream_generate, ref_generate
 from ref_model import load_original
+from backends import MODEL_DEVICES, require
 from tiny_ckpt import make_checkpoint
 
 
-@pytest.fixture(scope="module")
-def llada(tmp_path_factory):
+# The decode loop on every device (`make gpu-check` runs the cuda half), fp32
+# models: the reference loops run in float64 on the CPU, token for token.
+pytestmark = pytest.mark.models
+
+
+@pytest.fixture(scope="module", params=MODEL_DEVICES)
+def llada(request, tmp_path_factory):
+    require(request.param)
     path = str(tmp_path_factory.mktemp("llada"))
     make_checkpoint(path, "llada", seed=3)
-    return path, load(path, dtype=torch.float32), load_original(path)
+    return path, load(path, dtype=torch.float32, device=request.param), load_original(path)
 
 
-@pytest.fixture(scope="module")
-def dream(tmp_path_factory):
+@pytest.fixture(scope="module", params=MODEL_DEVICES)
+def dream(request, tmp_path_factory):
+    require(request.param)
     path = str(tmp_path_factory.mktemp("dream"))
     make_checkpoint(path, "dream", seed=4)
-    return path, load(path, dtype=torch.float32), load_original(path)
+    return path, load(path, dtype=torch.float32, device=request.param), load_original(path)
 
 
 PROMPTS = [[5, 9, 11, 30, 7, 8], [12, 40, 41, 6, 9, 10, 22, 50, 51, 17, 5], [33, 34]]
@@ -241,7 +249,8 @@ def test_stop_at_eos_keeps_every_token_before_eos(llada):
     # Make EOS likely by boosting its logit, so rows finish early.
     with torch.no_grad():
         saved = model.lm_head.weight[eos].clone()
-        model.lm_head.weight[eos] += 0.6 * model.lm_head.weight.norm(dim=1).mean() * torch.randn_like(saved)
+        boost = torch.randn(saved.shape, generator=torch.Generator().manual_seed(0))
+        model.lm_head.weight[eos] += 0.6 * model.lm_head.weight.norm(dim=1).mean() * boost.to(saved)
     try:
         full = dllm_ops.generate(model, PROMPTS, stop_at_eos=False, **kw)
         stop = dllm_ops.generate(model, PROMPTS, stop_at_eos=True, **kw)
@@ -251,6 +260,7 @@ def test_stop_at_eos_keeps_every_token_before_eos(llada):
     assert full.sequences == stop.sequences
     assert any(eos in row for row in full.tokens.tolist())
     assert stop.stats["nfe"] <= full.stats["nfe"]
+    assert sum(stop.stats["eos_filled"]) > 0   # the boost does make some row stop early
     for r, filled in enumerate(stop.stats["eos_filled"]):
         row = stop.tokens[r].tolist()
         assert model.config.mask_id not in row

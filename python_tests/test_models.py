@@ -11,10 +11,19 @@ from safetensors.torch import load_file, save_file
 import dllm_ops
 from dllm_ops.models import CheckpointError, ConfigError, load
 from dllm_ops.plan import StepPlan
+from backends import MODEL_DEVICES, require
 from ref_model import dense_logits
-from tiny_ckpt import make_checkpoint
+from tiny_ckpt import make_checkpoint, random_model, tiny_config
 
 ARCHS = ["llada", "dream"]
+# Model tests run on every device (`make gpu-check` runs the cuda half).
+pytestmark = pytest.mark.models
+
+
+@pytest.fixture(params=MODEL_DEVICES)
+def device(request):
+    require(request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -48,43 +57,45 @@ def test_checkpoint_is_sharded_in_original_layout(ckpt):
     assert key in names
 
 
-def test_full_forward_matches_reference(ckpt):
+def test_full_forward_matches_reference(ckpt, device):
     arch, path = ckpt
-    model = load(path, dtype=torch.float32)
+    model = load(path, dtype=torch.float32, device=device)
     assert model.config.arch == arch and model.tokenizer is not None
     x, valid = _canvas(model, [23, 17, 30], 30)
-    cache = model.new_cache(valid)
+    cache = model.new_cache(valid.to(device))
     B, T = x.shape
-    run = valid
-    logits = model.step(x, StepPlan.from_mask(run, run), cache)
+    run = valid.to(device)
+    logits = model.step(x.to(device), StepPlan.from_mask(run, run), cache).cpu()
     want = dense_logits(path, x, valid)
     for r in range(B):
         got = logits[r, : int(valid[r].sum())]
         torch.testing.assert_close(got.double(), want[r][valid[r]], rtol=1e-4, atol=1e-4)
 
 
-def test_partial_step_matches_reference_with_frozen_kv(ckpt):
+def test_partial_step_matches_reference_with_frozen_kv(ckpt, device):
     arch, path = ckpt
-    model = load(path, dtype=torch.float32)
+    model = load(path, dtype=torch.float32, device=device)
     x, valid = _canvas(model, [20, 26], 26, seed=1)
-    cache = model.new_cache(valid)
-    model.step(x, StepPlan.from_mask(valid, valid), cache)
+    dv = valid.to(device)
+    cache = model.new_cache(dv)
+    model.step(x.to(device), StepPlan.from_mask(dv, dv), cache)
     _, kv = dense_logits(path, x, valid, return_kv=True)
     # Change some tokens, then recompute only a window: keys outside stay stale.
     x2 = x.clone()
     x2[:, 20:24] = 7
     run = torch.zeros_like(valid)
     run[:, 18:26] = True
-    got = model.step(x2, StepPlan.from_mask(run, run), cache)
+    got = model.step(x2.to(device), StepPlan.from_mask(run.to(device), run.to(device)), cache).cpu()
     want, _ = dense_logits(path, x2, valid, run=run, kv=kv, return_kv=True)
     torch.testing.assert_close(got.double(), want[:, 18:26], rtol=1e-4, atol=1e-4)
 
 
-def test_batch_rows_equal_single_rows(ckpt):
+def test_batch_rows_equal_single_rows(ckpt, device):
     _, path = ckpt
-    model = load(path, dtype=torch.float32)
+    model = load(path, dtype=torch.float32, device=device)
     lengths = [9, 21, 14]
     x, valid = _canvas(model, lengths, 21, seed=2)
+    x, valid = x.to(device), valid.to(device)
     batch = model.step(x, StepPlan.from_mask(valid, valid), model.new_cache(valid))
     for r, n in enumerate(lengths):
         xs, vs = x[r:r + 1, 21 - n:], valid[r:r + 1, 21 - n:]
@@ -154,3 +165,80 @@ def test_load_errors_name_file_and_tensor(ckpt, tmp_path):
             os.remove(os.path.join(p, f))
     with pytest.raises(CheckpointError, match="no tokenizer"):
         load(p)
+
+
+def test_step_return_probs_match_reference(ckpt, device):
+    """model.step(return_probs=True): per layer, the head-averaged attention rows
+    of the tokens run (cache.probs [B, Q, T]) at the positions cache.probs_idx names."""
+    _, path = ckpt
+    model = load(path, dtype=torch.float32, device=device)
+    x, valid = _canvas(model, [19, 24], 24, seed=3)
+    run = valid.clone()
+    run[:, :10] = False                      # a partial call: 14 (row 0: 9) tokens run
+    cache = model.new_cache(valid.to(device))
+    model.step(x.to(device), StepPlan.from_mask(valid.to(device), valid.to(device)), cache)
+    logits = model.step(x.to(device), StepPlan.from_mask(run.to(device), run.to(device)), cache,
+                        return_probs=True)
+    _, want = dense_logits(path, x, valid, return_probs=True)
+    assert len(cache.probs) == len(cache.probs_idx) == model.config.n_layers
+    for layer, (probs, idx) in enumerate(zip(cache.probs, cache.probs_idx)):
+        probs, idx = probs.cpu(), idx.cpu()
+        assert probs.dtype == torch.float32
+        for b in range(x.shape[0]):
+            rows = idx[b][idx[b] >= 0]
+            assert rows.tolist() == run[b].nonzero().flatten().tolist()
+            got = probs[b, : len(rows)].double()
+            torch.testing.assert_close(got, want[layer][b, rows], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got.sum(-1), torch.ones(len(rows), dtype=torch.float64))
+            assert bool((got[:, ~valid[b]] == 0).all())   # padding gets no attention
+    assert logits.shape[1] == int(run.sum(1).max())
+
+
+# bf16 / fp16 models: the weights are rounded to bf16 (exact in both dtypes), so
+# the only differences from the float64 reference come from low-precision
+# activations. Bounds: the largest relative max-abs logit error these
+# checkpoints show on the CPU (vs float64: bf16 0.028, fp16 0.0042; vs the
+# dense forward in the same dtype: bf16 0.018, fp16 0.0023), with 2x headroom
+# for another device's accumulation order. A step that ran a layer in the
+# wrong dtype or dropped a rounding would break them; bf16 rounding noise cannot.
+LOW_PRECISION = {torch.bfloat16: 0.06, torch.float16: 0.01}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def rounded_ckpt(request, tmp_path_factory):
+    from dllm_ops.models import save
+    from dllm_ops.tokenizer import word_level_tokenizer
+    from tiny_ckpt import CHAT, WORDS
+    model = random_model(tiny_config(request.param), seed=5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    path = str(tmp_path_factory.mktemp(f"{request.param}-bf16"))
+    save(model, path, tokenizer=word_level_tokenizer(WORDS, CHAT))
+    return request.param, path
+
+
+@pytest.mark.parametrize("dtype", list(LOW_PRECISION), ids=["bf16", "fp16"])
+def test_low_precision_model_step_matches_dense_forward_and_reference(rounded_ckpt, device, dtype):
+    _, path = rounded_ckpt
+    model = load(path, dtype=dtype, device=device)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    x, valid = _canvas(model, [23, 17, 30], 30, seed=4)
+    dx, dv = x.to(device), valid.to(device)
+    cache = model.new_cache(dv)
+    assert cache.k[0].dtype == dtype
+    step = model.step(dx, StepPlan.from_mask(dv, dv), cache)
+    assert step.dtype in (dtype, torch.float32)
+    step = step.double().cpu()
+    with torch.no_grad():
+        dense = model(dx, dv).double().cpu()      # the same dtype through plain torch (SDPA)
+    want = dense_logits(path, x, valid)
+    bound = LOW_PRECISION[dtype]
+    for r in range(x.shape[0]):
+        n = int(valid[r].sum())
+        got, ref, den = step[r, :n], want[r][valid[r]], dense[r][valid[r]]
+        scale = ref.abs().max()
+        assert (got - ref).abs().max() / scale < bound
+        assert (got - den).abs().max() / scale < bound
+        agree = (got.argmax(-1) == ref.argmax(-1)).double().mean()
+        assert agree >= 0.8, f"row {r}: argmax agrees on {agree:.0%} of tokens"   # seen: >= 90%

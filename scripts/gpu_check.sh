@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything that needs a GPU, in one command, one report.
+#
+#   scripts/gpu_check.sh [PYTHON] [REPORT]      (defaults: python3, build/gpu-check.txt)
+#
+# Uses that machine's python (torch, pybind11, ninja, pytest; the model and
+# decode tests also read safetensors checkpoints and tokenizers, which the
+# GPU image has), installs nothing. Steps, each appended to REPORT:
+#   1. build _C with its CUDA kernels for sm_90 (FORCE_CUDA: no CPU fallback);
+#   2. the whole suite's CUDA half (`-k cuda`: every op on the GPU, the models
+#      in fp32/bf16/fp16 and the decode loop), not the slow re-training test,
+#      with every skip turned into a failure (DLLM_REQUIRE_CUDA=1, conftest.py);
+#   3. python -m bench ops --device cuda;
+#   4. python -m bench decode --synthetic llada-8b --layers 4 --device cuda.
+# Exit status: 0 iff every step passed. Budget: <= 8 minutes on an H200.
+set -uo pipefail
+PY=${1:-python3}
+REPORT=${2:-build/gpu-check.txt}
+cd "$(dirname "$0")/.."
+mkdir -p "$(dirname "$REPORT")"
+export PYTHONUNBUFFERED=1
+{
+  echo "# dllm_ops gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi -L 2>&1 || true
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())'
+} | tee "$REPORT"
+failed=()
+step() {   # step NAME CMD...: run, append its output to the report, remember failures
+  local name=$1; shift
+  echo "## $name: $*" | tee -a "$REPORT"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$REPORT"
+  local rc=${PIPESTATUS[0]}
+  echo "## $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$REPORT"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+  return "$rc"
+}
+step build env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 "$PY" setup.py -q build_ext --inplace || {
+  echo "# FAILED: build (nothing else ran)" | tee -a "$REPORT"; exit 1; }
+step pytest env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
+  -p no:cacheprovider -k cuda -m "not slow" --durations=15
+step bench-ops env PYTHONPATH="$PWD" "$PY" -m bench ops --device cuda
+step bench-decode env PYTHONPATH="$PWD" "$PY" -m bench decode --synthetic llada-8b --layers 4 \
+  --device cuda --prompt-length 256 --gen-length 256 --block-length 32
+if [ ${#failed[@]} -eq 0 ]; then
+  echo "# gpu-check PASSED ($SECONDS s)" | tee -a "$REPORT"
+else
+  echo "# gpu-check FAILED: ${failed[*]} ($SECONDS s)" | tee -a "$REPORT"
+  exit 1
+fi
