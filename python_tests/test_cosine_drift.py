@@ -7,8 +7,13 @@ from dllm_ops import reference
 from backends import BACKENDS, op, to
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=1e-2, atol=1e-2),
-       torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+# The same for every input dtype: the kernels widen the (exact) fp16/bf16 inputs
+# to fp32 and the oracle computes in float64 from the same values, so the only
+# error is fp32 accumulation of the dot product and norms and the final 1 - cos:
+# a few ulps of 1.0 (seen: <= 2.6e-7 on CPU and the simulated CUDA kernel, for
+# D up to 4097). The old 1e-2 let a kernel that returns 0 on near-identical rows
+# (drift ~5e-5) pass.
+TOL = {dtype: dict(rtol=1e-5, atol=1e-6) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 def sample_inputs(dtype, seed=0):
@@ -87,9 +92,9 @@ def test_cosine_drift_bad_input(backend, make, msg):
         f(*to(backend, *make()))
 
 
-def test_cosine_drift_device_mismatch():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU to build a cross-device pair")
+def test_cosine_drift_device_mismatch_cuda():
+    # Named for `-k cuda`, so `make gpu-check` runs it (skips there are failures).
+    op("cuda", "cosine_drift")
     with pytest.raises(RuntimeError, match="dllm::cosine_drift: .*same device"):
         dllm_ops.cosine_drift(torch.randn(2, 3, device="cuda"), torch.randn(2, 3))
 
