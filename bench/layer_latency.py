@@ -26,7 +26,7 @@ from bench.accuracy import parse_mode
 
 
 def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, modes: list[str],
-                  calls: int | None = None) -> list[dict]:
+                  calls: int | None = None, batch: int = 1) -> list[dict]:
     from dllm_ops.dare import LayerTimer, make_dare
     from dllm_ops.plan import StepPlan
 
@@ -34,13 +34,15 @@ def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, 
     dev = model.device
     L = len(prompt)
     T = L + gen_length
-    x = torch.full((1, T), c.mask_id, dtype=torch.long, device=dev)
-    x[0, :L] = torch.tensor(prompt, device=dev)
-    valid = torch.ones((1, T), dtype=torch.bool, device=dev)
-    block = torch.arange(L, L + block_length, device=dev)[None]
+    # `batch` copies of the canvas: more rows per projection, so that dropping
+    # rows can save time where a batch-1 call is bound by reading the weights.
+    x = torch.full((batch, T), c.mask_id, dtype=torch.long, device=dev)
+    x[:, :L] = torch.tensor(prompt, device=dev)
+    valid = torch.ones((batch, T), dtype=torch.bool, device=dev)
+    block = torch.arange(L, L + block_length, device=dev).expand(batch, block_length).contiguous()
     # Logits of one position only: the LM head is not part of a layer.
-    step_plan = StepPlan(block, block[:, :1])
-    full = StepPlan(torch.arange(T, device=dev)[None], block[:, :1])
+    step_plan = StepPlan(block, block[:, :1].contiguous())
+    full = StepPlan(torch.arange(T, device=dev).expand(batch, T).contiguous(), block[:, :1].contiguous())
     calls = block_length - 1 if calls is None else calls
     if calls > block_length - 1:
         raise SystemExit(f"bench.layer_latency: --calls must be at most block_length - 1 ({block_length - 1})")
@@ -57,7 +59,7 @@ def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, 
         state[m] = (cache, rule, [])
     for k in range(calls):
         xk = x.clone()
-        xk[0, L:L + k + 1] = 5 + torch.arange(k + 1, device=dev) % 7
+        xk[:, L:L + k + 1] = 5 + torch.arange(k + 1, device=dev) % 7
         for m in modes[k % len(modes):] + modes[:k % len(modes)]:
             cache, rule, times = state[m]
             if rule is not None:
@@ -71,7 +73,7 @@ def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, 
         _, rule, times = state[m]
         flat = [t for call in times for t in call]
         ratios = [b / t for bc, tc in zip(base, times) for b, t in zip(bc, tc)]
-        rows.append(dict(mode=m, calls=calls, layer_ms=statistics.median(flat) * 1e3,
+        rows.append(dict(mode=m, calls=calls, batch=batch, layer_ms=statistics.median(flat) * 1e3,
                          per_layer_ms=[statistics.median(call[i] for call in times) * 1e3
                                        for i in range(c.n_layers)],
                          paired_speedup=statistics.median(ratios),
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--modes", nargs="+", default=["dual", "dual+kv@0.75", "dual+o@0.75"])
     p.add_argument("--calls", type=int, default=None, help="block-recompute calls (default block_length - 1)")
+    p.add_argument("--batch", type=int, default=1, help="copies of the canvas per call")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -119,10 +122,10 @@ def main(argv=None) -> int:
     prompt = [t if t not in special else 5
               for t in torch.randint(0, c.vocab_size, (args.prompt_length,), generator=g).tolist()]
     t0 = time.perf_counter()
-    rows = layer_latency(model, prompt, args.gen_length, args.block_length, args.modes, args.calls)
+    rows = layer_latency(model, prompt, args.gen_length, args.block_length, args.modes, args.calls, args.batch)
     print(f"model={args.synthetic or args.model} layers={c.n_layers} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} prompt={args.prompt_length} gen={args.gen_length} "
-          f"block={args.block_length} ({time.perf_counter() - t0:.0f}s)")
+          f"block={args.block_length} batch={args.batch} ({time.perf_counter() - t0:.0f}s)")
     print_rows(rows)
     return 0
 
