@@ -30,9 +30,6 @@ import time
 
 import torch
 
-CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "dllm_ops", "checkpoints")
-SHIPPED = ("tiny-llada", "tiny-dream")
 DEFAULT_CACHES = ("none", "prefix", "dual", "stale")
 # Dream's generate picks tokens with `alg`; confidence_threshold with a
 # threshold above any probability commits exactly the argmax each call.
@@ -40,13 +37,10 @@ ONE_PER_CALL = 2.0
 
 
 def resolve_model(name_or_path: str) -> str:
-    """A shipped model name (tiny-llada, tiny-dream) or a checkpoint folder -> folder."""
-    if name_or_path in SHIPPED:
-        return os.path.join(CHECKPOINTS_DIR, name_or_path)
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    raise ValueError(f"bench.accuracy: {name_or_path!r} is neither a shipped model "
-                     f"({', '.join(SHIPPED)}) nor a checkpoint folder")
+    """A shipped model name (tiny-llada, tiny-dream) or a checkpoint folder -> folder
+    (dllm_ops.models.resolve_checkpoint; its CheckpointError is a ValueError)."""
+    from dllm_ops.models import resolve_checkpoint
+    return resolve_checkpoint(name_or_path)
 
 
 def parse_mode(spec: str):
