@@ -16,6 +16,13 @@ decode in parallel with Fast-dLLM's threshold rule (`--threshold`, 0.9);
 - agree_tok / agree_seq: agreement with the vanilla decode of the same
   problems, per token (over the vanilla answer and its first EOS) and per
   whole answer;
+- run/call: tokens run per call of a problem (the full forward included),
+  over the calls the problem makes while its block has masks (a row that waits
+  for the rest of its batch is not counted), i.e. what it runs decoded alone;
+- d²Cache rows (``d2cache``, or with options ``d2cache:k=4,p=0.1,sigma=3`` for
+  current_k, rollout_p and the stage-1 sigma) decode one token per call in the
+  suite's blocks, as vanilla does, so only the cache differs from vanilla
+  (d²Cache's own evaluation also decodes one token per call);
 - reused: for DARE modes (``dual+kv@0.75``, ``dual+o@0.5``: cache + DARE-KV /
   DARE-O at target reuse ρ, see parse_mode), the share of (layer, token)
   activations reused over the calls after each block start.
@@ -62,11 +69,27 @@ def parse_mode(spec: str):
     return cache, mech, opts
 
 
+def d2cache_mode(spec: str):
+    """``"d2cache"`` / ``"d2cache:k=4,p=0.1,sigma=3"`` -> ("d2cache", options or None);
+    any other spec -> (spec, None)."""
+    if not spec.startswith("d2cache:"):
+        return spec, None
+    names = {"k": "current_k", "p": "rollout_p", "sigma": "sigma"}
+    opts = {}
+    for item in spec[len("d2cache:"):].split(","):
+        key, _, value = item.partition("=")
+        if key not in names or not value:
+            raise ValueError(f"bench.accuracy: bad d2cache mode {spec!r}; write e.g. d2cache:k=4,p=0.1,sigma=3")
+        opts[names[key]] = int(value) if key == "k" else float(value)
+    return "d2cache", opts
+
+
 def decode_modes(caches, threshold):
     """(cache, rule) pairs to run, vanilla first; rule is "1/call" or a threshold."""
     modes = [("none", "1/call")]
     for c in caches:
-        rule = "1/call" if c == "stale" or threshold is None else float(threshold)
+        one = c == "stale" or d2cache_mode(c)[0] == "d2cache"
+        rule = "1/call" if one or threshold is None else float(threshold)
         if (c, rule) not in modes:
             modes.append((c, rule))
     return modes
@@ -96,12 +119,22 @@ class _CountCalls:
         self.name = inner.name
         self.wants_probs = inner.wants_probs
         self.calls = None
+        self.tokens = self.busy_calls = None   # per row: tokens run / calls, while its block has masks
+
+    def _count(self, state, plan):
+        if self.tokens is None:
+            self.tokens = torch.zeros(state.x.shape[0], dtype=torch.long)
+            self.busy_calls = torch.zeros(state.x.shape[0], dtype=torch.long)
+        busy = state.candidates().any(1).cpu()
+        self.tokens += torch.where(busy, (plan.idx >= 0).sum(1).cpu(), 0)
+        self.busy_calls += busy.long()
+        return plan
 
     def on_block_start(self, state):
-        return self.inner.on_block_start(state)
+        return self._count(state, self.inner.on_block_start(state))
 
     def plan(self, state):
-        return self.inner.plan(state)
+        return self._count(state, self.inner.plan(state))
 
     def on_step_end(self, state, commit):
         if self.calls is None:
@@ -117,7 +150,7 @@ def _label(cache, rule):
 def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_CACHES,
                  block_length: int | None = None, threshold: float | None = 0.9, seed: int = 0,
                  progress: bool = True, batch_size: int = 100, dtype=torch.float32,
-                 model=None) -> list[dict]:
+                 model=None, split: str = "test") -> list[dict]:
     """Decode `n` held-out problems per task in every mode; one dict per (task, mode)
     plus an "all" row per mode (the mean over tasks).
 
@@ -129,6 +162,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
         block_length: default dllm_ops.tasks.BLOCK_LENGTH (16).
         threshold: the parallel-decoding threshold of the cached modes; None
             decodes every mode one token per call.
+        split: "test" (report) or "calib" (choose settings on it).
     """
     from tqdm.auto import tqdm
 
@@ -138,7 +172,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     from dllm_ops.policies import POLICIES, make_policy
     from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
-    bad = [c for c in caches if parse_mode(c)[0] not in POLICIES]
+    bad = [c for c in caches if d2cache_mode(parse_mode(c)[0])[0] not in POLICIES]
     if bad:
         raise ValueError(f"bench.accuracy: unknown cache mode(s) {bad}; choose from {sorted(POLICIES)}")
     names = task_names(tasks)
@@ -150,7 +184,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
         label = getattr(model, "name", model.config.arch)
     eos = model.config.eos_id
     modes = decode_modes(caches, threshold)
-    per_task = {t: sorted(problems(t, n, seed, "test"), key=lambda p: len(p.prompt_ids)) for t in names}
+    per_task = {t: sorted(problems(t, n, seed, split), key=lambda p: len(p.prompt_ids)) for t in names}
     nb = -(-n // batch_size)
     bar = tqdm(total=len(names) * len(modes) * nb, desc=f"accuracy {label}", unit="batch",
                disable=not progress, leave=False)
@@ -162,11 +196,13 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
             bar.set_postfix_str(f"{task} {cache} {_label(cache, rule)}")
             kw = _decode_kwargs(model, rule, TASKS[task].gen_length, block_length)
             toks, calls, batch_calls, wall, n_tok = [], [], [], 0.0, 0
+            run_tokens, run_calls = 0, 0
             base_cache, dare, dare_opts = parse_mode(cache)
+            base_cache, d2cache_opts = d2cache_mode(base_cache)
             reuse = [0, 0]   # DARE: (layer, token) activations reused / run in reuse-eligible calls
             for b in range(0, n, batch_size):
                 chunk = probs[b:b + batch_size]
-                policy = _CountCalls(make_policy(base_cache))
+                policy = _CountCalls(make_policy(base_cache, d2cache_opts))
                 t0 = time.perf_counter()
                 out = generate(model, [list(p.prompt_ids) for p in chunk], policy=policy, dare=dare,
                                dare_opts=dare_opts, **kw)
@@ -176,6 +212,8 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                 wall += time.perf_counter() - t0
                 toks.append(out.tokens)
                 calls.append(policy.calls)
+                run_tokens += int(policy.tokens.sum())
+                run_calls += int(policy.busy_calls.sum())
                 batch_calls.append(out.stats["nfe"])
                 n_tok += out.stats["generated_tokens"]
                 bar.update(1)
@@ -188,6 +226,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                              accuracy=sum(correct) / n, nfe=float(torch.cat(calls).float().mean()),
                              nfe_batch=sum(batch_calls) / len(batch_calls), tokens_per_s=n_tok / wall,
                              agree_tok=agree_tok, agree_seq=agree_seq, seconds=wall,
+                             run_per_call=run_tokens / run_calls, split=split,
                              gen_length=TASKS[task].gen_length, block_length=block_length,
                              batch_size=batch_size, reused=reuse[0], reuse_eligible=reuse[1],
                              reuse=reuse[0] / reuse[1] if dare is not None and reuse[1] else None))
@@ -195,7 +234,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     for cache, rule in modes:
         mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
         mean = {k: sum(r[k] for r in mine) / len(mine)
-                for k in ("accuracy", "nfe", "nfe_batch", "agree_tok", "agree_seq")}
+                for k in ("accuracy", "nfe", "nfe_batch", "agree_tok", "agree_seq", "run_per_call")}
         secs = sum(r["seconds"] for r in mine)
         toks = sum(r["tokens_per_s"] * r["seconds"] for r in mine)
         reused, eligible = sum(r["reused"] for r in mine), sum(r["reuse_eligible"] for r in mine)
@@ -218,7 +257,7 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor, eos: int) -> tuple[float
 
 
 COLUMNS = [("task", "task", 8), ("cache", "cache", 12), ("rule", "rule", 8), ("accuracy", "accuracy", 8),
-           ("nfe", "nfe", 6), ("tokens_per_s", "tok/s", 8), ("agree_tok", "agree_tok", 9),
+           ("nfe", "nfe", 6), ("run_per_call", "run/call", 8), ("tokens_per_s", "tok/s", 8), ("agree_tok", "agree_tok", 9),
            ("agree_seq", "agree_seq", 9), ("reuse", "reused", 6)]
 
 
@@ -229,7 +268,7 @@ def _cell(key, value, width):
         return f"{value:<{width}}"
     if key in ("accuracy", "agree_tok", "agree_seq", "reuse"):
         return f"{value:>{width}.1%}"
-    return f"{value:>{width}.1f}" if key == "nfe" else f"{value:>{width}.0f}"
+    return f"{value:>{width}.1f}" if key in ("nfe", "run_per_call") else f"{value:>{width}.0f}"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -251,11 +290,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="all", help="all | add | scan | sub | a,b,...")
     p.add_argument("--n", type=int, default=500, help="held-out problems per task")
     p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES),
-                   help="cache modes besides vanilla; CACHE+kv@RHO / CACHE+o@RHO add DARE (e.g. dual+kv@0.75)")
+                   help="cache modes besides vanilla; CACHE+kv@RHO / CACHE+o@RHO add DARE (e.g. dual+kv@0.75); "
+                        "d2cache:k=K,p=P,sigma=S sets d2cache's options")
     p.add_argument("--block-length", type=int, default=None, help="default 16")
     p.add_argument("--threshold", type=float, default=0.9,
                    help="parallel-decoding threshold of the cached modes (<= 0: one token per call)")
     p.add_argument("--seed", type=int, default=0, help="which held-out problems")
+    p.add_argument("--split", default="test", choices=["test", "calib"],
+                   help="held-out split: report on test, choose settings on calib")
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--csv", help="also write the rows to this CSV file")
     p.add_argument("--no-progress", action="store_true")
@@ -266,9 +308,10 @@ def run_from_args(args) -> list[dict]:
     t0 = time.perf_counter()
     rows = run_accuracy(args.model, args.task, args.n, args.cache, args.block_length,
                         args.threshold if args.threshold and args.threshold > 0 else None,
-                        args.seed, progress=not args.no_progress, batch_size=args.batch_size)
+                        args.seed, progress=not args.no_progress, batch_size=args.batch_size,
+                        split=args.split)
     r0 = rows[0]
-    print(f"model={args.model} n={args.n}/task block={r0['block_length']} batch={r0['batch_size']} "
+    print(f"model={args.model} split={args.split} n={args.n}/task block={r0['block_length']} batch={r0['batch_size']} "
           f"threads={torch.get_num_threads()} ({time.perf_counter() - t0:.0f}s)")
     print(format_table(rows))
     if args.csv:

@@ -78,7 +78,7 @@ def cmd_decode(args) -> int:
         print(format_table(rows))
         _write_csv(args.csv, rows)
         return 0
-    args.caches = args.caches or ["none", "prefix", "dual"]
+    args.caches = args.caches or ["none", "prefix", "dual", "d2cache"]
     args.block_length = args.block_length or 32
     torch.set_num_threads(args.threads or torch.get_num_threads())
     dtype = DTYPES[args.dtype]
@@ -107,18 +107,29 @@ def cmd_decode(args) -> int:
           f"prompt={args.prompt_length} gen={args.gen_length} block={args.block_length} unmask={args.unmask}"
           f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}"
           f"{f' (first {args.max_blocks} block(s) only)' if args.max_blocks else ''}")
-    from bench.accuracy import parse_mode
+    from bench.accuracy import d2cache_mode, parse_mode
+    from dllm_ops.policies import D2Cache
 
     rows, base = [], None
     for cache in args.caches:
         base_cache, dare, dare_opts = parse_mode(cache)
+        base_cache, d2cache_opts = d2cache_mode(base_cache)
+        mode_kw, policy = dict(kw), None
+        if base_cache == "d2cache":
+            # d²Cache decodes the region as one block (its own setting) unless told
+            # otherwise; its policy times its own selection work.
+            mode_kw["block_length"] = args.d2cache_block_length or args.gen_length
+            policy = D2Cache(sync_timing=True, **(d2cache_opts or {}))
         t0 = time.perf_counter()
-        out = dllm_ops.generate(model, prompts, cache=base_cache, dare=dare, dare_opts=dare_opts,
-                                time_layers=True, **kw)
+        out = dllm_ops.generate(model, prompts, cache=base_cache,
+                                policy=policy, dare=dare, dare_opts=dare_opts, time_layers=True, **mode_kw)
         wall = time.perf_counter() - t0
         s = out.stats
         r = dict(cache=cache, nfe=s["nfe"], wall_s=wall, tokens_per_s=s["generated_tokens"] / wall,
                  tokens_recomputed=s["tokens_recomputed"], model_tflops=s["model_flops"] / 1e12,
+                 run_per_call=s["tokens_recomputed"] / s["n_layers"] / s["nfe"],
+                 select_share=policy.selection_s / wall if policy is not None else None,
+                 block_length=mode_kw["block_length"],
                  reuse=s.get("dare_reuse_share"), **_layer_latency(s))
         if base is None:
             base = r
@@ -129,10 +140,11 @@ def cmd_decode(args) -> int:
         plain = next((p for p in rows if p["cache"] == base_cache), None)
         r["layer_speedup"] = plain["layer_ms"] / r["layer_ms"] if plain and r["layer_ms"] else None
         rows.append(r)
+        sel = f" selection={r['select_share']:.2%}" if r["select_share"] is not None else ""
         print(f"  {cache:<8} NFE={r['nfe']:<5} wall={wall:8.2f}s tok/s={r['tokens_per_s']:8.2f} "
               f"recomputed={r['tokens_recomputed']:<9} TFLOPs={r['model_tflops']:8.3f} "
               f"speedup={r['speedup_wall']:5.2f}x flops-ratio={r['flops_ratio']:5.2f}x "
-              f"layer={r['layer_ms']:.2f}ms", flush=True)
+              f"layer={r['layer_ms']:.2f}ms run/call={r['run_per_call']:.1f}{sel}", flush=True)
     _print_table(rows)
     _write_csv(args.csv, rows)
     return 0
@@ -150,16 +162,19 @@ def _layer_latency(stats) -> dict:
 
 
 def _print_table(rows):
-    hdr = (f"{'cache':<12} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'TFLOPs':>9} {'speedup':>8} "
-           f"{'flops x':>8} {'reused':>7} {'layer_ms':>9} {'layer x':>8}  per-layer ms")
+    hdr = (f"{'cache':<12} {'block':>5} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'run/call':>8} "
+           f"{'TFLOPs':>9} {'speedup':>8} {'flops x':>8} {'select':>7} {'reused':>7} {'layer_ms':>9} {'layer x':>8}"
+           f"  per-layer ms")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         reuse = f"{r['reuse']:.1%}" if r["reuse"] is not None else "-"
         lx = f"{r['layer_speedup']:.2f}" if r["layer_speedup"] is not None else "-"
-        print(f"{r['cache']:<12} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
-              f"{r['tokens_recomputed']:>11} {r['model_tflops']:>9.3f} {r['speedup_wall']:>8.2f} "
-              f"{r['flops_ratio']:>8.2f} {reuse:>7} {r['layer_ms']:>9.2f} {lx:>8}  {r['layer_ms_per_layer']}")
+        sel = f"{r['select_share']:.2%}" if r["select_share"] is not None else "-"
+        print(f"{r['cache']:<12} {r['block_length']:>5} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
+              f"{r['tokens_recomputed']:>11} {r['run_per_call']:>8.1f} {r['model_tflops']:>9.3f} "
+              f"{r['speedup_wall']:>8.2f} {r['flops_ratio']:>8.2f} {sel:>7} {reuse:>7} {r['layer_ms']:>9.2f} "
+              f"{lx:>8}  {r['layer_ms_per_layer']}")
 
 
 def _write_csv(path, rows):
@@ -190,6 +205,8 @@ def add_parser(sub) -> None:
     p.add_argument("--unmask", default="threshold", choices=["topk", "threshold", "factor"])
     p.add_argument("--threshold", type=float, default=0.9,
                    help="with --task: the cached modes' threshold (<= 0: one token per call)")
+    p.add_argument("--d2cache-block-length", type=int, default=None,
+                   help="block length of the d2cache rows (default: --gen-length, one block as d²Cache runs)")
     p.add_argument("--max-blocks", type=int, default=None,
                    help="decode only the first N blocks (cost measurements on slow machines)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
