@@ -117,3 +117,12 @@ def test_shipped_tables_fit_the_shipped_models(name):
             table = PolicyTable.load(os.path.join(path, "kvq", f"{cache}-{bits}bit.json"))
             table.check(model, cache, bits, 32)
             assert all(policy_k_bits(bits, l.p) <= K_BITS_CAP[bits] for l in table.layers)
+    # the TRACE trajectories they were selected on: legal assignments of this model's calib pairs
+    from dllm_ops.calibrate.trace import Schedule, load_artifact
+    from dllm_ops.quant.policy_table import model_fingerprint
+    art = load_artifact(os.path.join(path, "kvq", "trace-calib.json"))
+    assert art["fingerprint"] == model_fingerprint(model) and art["split"] == "calib"
+    for s in art["samples"]:
+        sched = Schedule(len(s["answer"]), art["block_length"], art["steps_per_block"],
+                         first_at_block_start=art["first_at_block_start"])
+        assert sched.legal(s["assignment"])
