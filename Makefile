@@ -12,7 +12,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_home.py)
 export CUDA_HOME
 
-.PHONY: venv build eval test pytest ctest sanitize demo tiny-models gpu-check clean
+.PHONY: venv build eval test test-slow pytest ctest sanitize demo tiny-models gpu-check clean
 
 # ---- set-up ------------------------------------------------------------------
 $(VENV)/.deps-stamp: requirements.txt
@@ -37,13 +37,19 @@ eval: build
 	$(VPY) -m pip install -q "lm_eval>=0.4,<0.5"
 
 # ---- tests -------------------------------------------------------------------
+# `make test` (= .ci/run) leaves out the tests marked slow (the full re-training
+# of both tiny models, ~14 min; the calibration CLI end to end): `make test-slow`
+# runs them. README.md "Tests and CI time" has the measured budget.
 test: build
-	$(VPY) -m pytest python_tests -ra
+	$(VPY) -m pytest python_tests -ra -m "not slow"
 	$(MAKE) ctest
 	$(MAKE) sanitize
 
 pytest: build
-	$(VPY) -m pytest python_tests -ra
+	$(VPY) -m pytest python_tests -ra -m "not slow"
+
+test-slow: build
+	$(VPY) -m pytest python_tests -ra -m slow
 
 # CMake build of the same csrc/ + C++ tests (shared math, simulated kernels).
 CMAKE_DIR := build/cmake

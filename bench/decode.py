@@ -82,14 +82,14 @@ def cmd_decode(args) -> int:
     args.block_length = args.block_length or 32
     torch.set_num_threads(args.threads or torch.get_num_threads())
     dtype = DTYPES[args.dtype]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench decode: --device cuda requested but no GPU is visible")
     if args.synthetic:
         model = synthetic_model(args.synthetic, args.layers, dtype)
         label = f"synthetic {args.synthetic} ({args.layers} layers, random weights)"
     else:
         model = dllm_ops.load(resolve_model(args.model), dtype=dtype)
         label = args.model
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench decode: --device cuda requested but no GPU is visible")
     model = model.to(args.device)
     c = model.config
     g = torch.Generator().manual_seed(args.seed)

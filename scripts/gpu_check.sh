@@ -8,8 +8,9 @@
 # GPU image has), installs nothing. Steps, each appended to REPORT:
 #   1. build _C with its CUDA kernels for sm_90 (FORCE_CUDA: no CPU fallback);
 #   2. the whole suite's CUDA half (`-k cuda`: every op on the GPU, the models
-#      in fp32/bf16/fp16 and the decode loop), not the slow re-training test,
-#      with every skip turned into a failure (DLLM_REQUIRE_CUDA=1, conftest.py);
+#      in fp32/bf16/fp16 and the decode loop; not the CPU simulator's own tests,
+#      test_cudasim.py, nor the slow re-training), every skip turned into a
+#      failure (DLLM_REQUIRE_CUDA=1, conftest.py);
 #   3. python -m bench ops --device cuda;
 #   4. python -m bench decode --synthetic llada-8b --layers 4 --device cuda.
 # Exit status: 0 iff every step passed. Budget: <= 8 minutes on an H200.
@@ -38,7 +39,7 @@ step() {   # step NAME CMD...: run, append its output to the report, remember fa
 step build env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 "$PY" setup.py -q build_ext --inplace || {
   echo "# FAILED: build (nothing else ran)" | tee -a "$REPORT"; exit 1; }
 step pytest env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
-  -p no:cacheprovider -k cuda -m "not slow" --durations=15
+  -p no:cacheprovider -k "cuda and not cudasim" -m "not slow" --durations=15
 step bench-ops env PYTHONPATH="$PWD" "$PY" -m bench ops --device cuda
 step bench-decode env PYTHONPATH="$PWD" "$PY" -m bench decode --synthetic llada-8b --layers 4 \
   --device cuda --prompt-length 256 --gen-length 256 --block-length 32
