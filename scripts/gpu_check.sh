@@ -39,7 +39,7 @@ step() {   # step NAME CMD...: run, append its output to the report, remember fa
 step build env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 "$PY" setup.py -q build_ext --inplace || {
   echo "# FAILED: build (nothing else ran)" | tee -a "$REPORT"; exit 1; }
 step pytest env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
-  -p no:cacheprovider -k "cuda and not cudasim" -m "not slow" --durations=15
+  -p no:cacheprovider -k "cuda and not cudasim" -m "not slow" --durations=15 --tb=short
 step bench-ops env PYTHONPATH="$PWD" "$PY" -m bench ops --device cuda
 step bench-decode env PYTHONPATH="$PWD" "$PY" -m bench decode --synthetic llada-8b --layers 4 \
   --device cuda --prompt-length 256 --gen-length 256 --block-length 32
