@@ -243,3 +243,36 @@ def test_reference_pieces_against_the_ops():
     for p in (0.05, 0.3, 0.7, 1.0):
         sel = dllm_ops.nucleus_select(op[None].float(), mask, p, 1)[0].nonzero()[:, 0].tolist()
         assert sorted(nucleus(op.tolist(), cands, p)) == sel
+
+
+def test_stop_at_eos_batch_equals_single(llada):
+    """Rows that reach EOS retire mid-decode; the others keep their own selection."""
+    model, _ = llada
+    eos = model.config.eos_id
+    kw = dict(gen_length=G, block_length=8, unmask="threshold", threshold=0.5, cache="d2cache",
+              d2cache=dict(current_k=3))
+    with torch.no_grad():
+        saved = model.lm_head.weight[eos].clone()
+        model.lm_head.weight[eos] += 0.6 * model.lm_head.weight.norm(dim=1).mean() * torch.randn(
+            saved.shape, generator=torch.Generator().manual_seed(1))
+    try:
+        batch = dllm_ops.generate(model, PROMPTS, **kw)
+        singles = [dllm_ops.generate(model, p, **kw) for p in PROMPTS]
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight[eos] = saved
+    assert any(eos in row for row in batch.tokens.tolist())
+    for r, single in enumerate(singles):
+        assert batch.sequences[r] == single.sequences[0], f"row {r}"
+
+
+def test_bench_mode_spec():
+    from bench.accuracy import d2cache_mode, decode_modes
+
+    assert d2cache_mode("d2cache:k=4,p=0.1,sigma=3") == ("d2cache", dict(current_k=4, rollout_p=0.1, sigma=3.0))
+    assert d2cache_mode("d2cache") == ("d2cache", None) and d2cache_mode("dual") == ("dual", None)
+    with pytest.raises(ValueError, match="bad d2cache mode"):
+        d2cache_mode("d2cache:q=1")
+    # d2cache rows decode one token per call, like vanilla and the stale diagnostic.
+    assert decode_modes(["dual", "d2cache:k=4"], 0.9) == [("none", "1/call"), ("dual", 0.9),
+                                                         ("d2cache:k=4", "1/call")]
