@@ -76,23 +76,12 @@ def recipe_of(name: str) -> dict:
     return dict(RECIPE, seed=SEEDS[name])
 
 
-# Micro-batch multiplier per task (default 1); a task's loss counts in
-# proportion to it. `sub`, learnt in a few hundred steps, gets half (its
-# 94-token sequences are the longest, and the time saved buys steps). With
-# four tasks the shares and the cost of a step are those of the previous
-# three-task recipe (add 1, scan 2, sub 0.5): `scan` and `lag2` both need a
-# circuit that reads committed answer tokens, and share its old weight. Giving
-# each of them 2 (1300 steps to stay in budget) cut `add`'s share of an update
-# from 1/3.5 to 1/5.5, and at step 850-900 neither model had left `add`'s
-# plateau (dllm_ops/checkpoints/README.md).
-TASK_WEIGHTS = {"sub": 0.5}
-
-
-def task_weights_of(tasks: list[str] | None = None) -> dict[str, float]:
-    """Micro-batch multiplier of every task of a run."""
-    return {t: TASK_WEIGHTS.get(t, 1) for t in tasks or TASKS}
-
-
+# Micro-batch multiplier per task (default 1). `scan` only pays off once the
+# model reads its left neighbour's running sum, a circuit that the training
+# signal (visible left neighbours only) builds slowly, so it gets twice the
+# samples; `sub`, learnt in a few hundred steps, gets half (its 94-token
+# sequences are the longest, and the time saved buys steps).
+TASK_WEIGHTS = {"scan": 2, "sub": 0.5}
 # How far python_tests/test_tiny_models.py re-runs the recorded training.
 REPRO_STEPS = 100
 
@@ -210,8 +199,7 @@ def heldout_loss(model, batches) -> dict[str, float]:
     return out
 
 
-def train(preset: dict, recipe: dict, out: str | None, task_weights: dict[str, float],
-          threads: int = 1, **kw) -> dict:
+def train(preset: dict, recipe: dict, out: str | None, threads: int = 1, **kw) -> dict:
     """Train one model (see `_train` for the keywords) on `threads` threads with
     deterministic algorithms; torch's global settings are put back afterwards,
     so a caller (the reproduction test) is left as it was."""
@@ -219,18 +207,16 @@ def train(preset: dict, recipe: dict, out: str | None, task_weights: dict[str, f
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     try:
-        return _train(preset, recipe, out, task_weights, threads=threads, **kw)
+        return _train(preset, recipe, out, threads=threads, **kw)
     finally:
         torch.set_num_threads(prev[0])
         torch.use_deterministic_algorithms(prev[1])
 
 
-def _train(preset: dict, recipe: dict, out: str | None, task_weights: dict[str, float], threads: int,
-           log_every: int = 50, acc_n: int = 0, stop_after: int | None = None, probe_every: int = 0,
-           progress=lambda s: print(s, flush=True)) -> dict:
-    """The run on the tasks of `task_weights` (task -> micro-batch multiplier, in
-    the order the micro-batches are drawn); `stop_after` ends it early on the
-    full run's schedule."""
+def _train(preset: dict, recipe: dict, out: str | None, threads: int, log_every: int = 50,
+           acc_n: int = 0, stop_after: int | None = None, probe_every: int = 0,
+           tasks: list[str] | None = None, progress=lambda s: print(s, flush=True)) -> dict:
+    """The run; `stop_after` ends it early on the full run's schedule."""
     torch.manual_seed(recipe["seed"])
     cfg = model_config(preset)
     model = DiffusionLM(cfg)
@@ -250,7 +236,8 @@ def _train(preset: dict, recipe: dict, out: str | None, task_weights: dict[str, 
 
     rng = random.Random(recipe["seed"])
     gen = torch.Generator().manual_seed(recipe["seed"])
-    weights = dict(task_weights)
+    names = tasks or list(TASKS)
+    weights = {t: TASK_WEIGHTS.get(t, 1) for t in names}
     total_w = sum(weights.values())
     held = heldout_batches(recipe["seed"])
     log = dict(preset=preset, recipe=recipe, torch=torch.__version__, threads=threads,
@@ -309,8 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=sorted(PRESETS), required=True)
     p.add_argument("--out", help=f"checkpoint folder (default {CKPT_DIR}/<model>; '-' for none)")
     for k, v in RECIPE.items():
-        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None,
-                       help="default: the model's run (recipe_of)")
+        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None if k == "seed" else v,
+                       help="default: the model's shipped seed" if k == "seed" else None)
     p.add_argument("--probe-every", type=int, default=0,
                    help="also log a quick dense-decode accuracy every this many steps")
     p.add_argument("--acc-n", type=int, default=100,
@@ -327,8 +314,8 @@ def main(argv=None) -> int:
         k, v = kv.split("=")
         preset[k] = type(preset[k])(v)
     out = None if a.out == "-" else a.out or os.path.join(CKPT_DIR, a.model)
-    weights = task_weights_of(a.tasks.split(",") if a.tasks else None)
-    log = train(preset, recipe, out, weights, acc_n=a.acc_n, probe_every=a.probe_every, threads=a.threads)
+    log = train(preset, recipe, out, acc_n=a.acc_n, probe_every=a.probe_every,
+                tasks=a.tasks.split(",") if a.tasks else None, threads=a.threads)
     print(f"trained {a.model} in {log['train_seconds']:.0f}s" + (f" -> {out}" if out else ""))
     return 0
 

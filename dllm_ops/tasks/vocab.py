@@ -6,9 +6,7 @@ from ..tokenizer import word_level_tokenizer
 DIGITS = [str(d) for d in range(10)]
 KEYWORDS = ["add", "scan", "sub", "+", ":", "=", "_"]
 RULE_WORDS = [f"s{d}" for d in range(10)] + [f"d{d}" for d in range(10)]  # sub's rule
-# Added after the rule words, so the ids of the earlier words stay as they were.
-LATER_KEYWORDS = ["lag2"]
-WORDS = DIGITS + KEYWORDS + RULE_WORDS + LATER_KEYWORDS
+WORDS = DIGITS + KEYWORDS + RULE_WORDS
 
 # One-turn chat template for the word-level models: the prompt text is used as is.
 CHAT_TEMPLATE = ("<bos>{% for m in messages %} {{ m['content'] }}{% endfor %}")
