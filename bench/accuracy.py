@@ -37,7 +37,11 @@ import time
 
 import torch
 
-DEFAULT_CACHES = ("none", "prefix", "dual", "stale")
+# d²Cache at the suite's short answers: current_k must shrink with them. Chosen
+# on the calib split (add/scan/sub, n=100, tiny-llada and tiny-dream): the
+# stage-1 sigma of 3 keeps the 4 recomputed masks next to the decoded text.
+D2CACHE_SUITE = "d2cache:k=4,p=0.1,sigma=3"
+DEFAULT_CACHES = ("none", "prefix", "dual", "stale", D2CACHE_SUITE)
 # Dream's generate picks tokens with `alg`; confidence_threshold with a
 # threshold above any probability commits exactly the argmax each call.
 ONE_PER_CALL = 2.0
