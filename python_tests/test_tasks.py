@@ -149,7 +149,8 @@ def test_pack_lays_out_left_padded_canvases():
     batch = problems("add", 3, 0) + problems("sub", 2, 0)
     x, valid, region = pack(batch)
     L = max(len(p.prompt_ids) for p in batch)
-    assert x.shape == (5, L + GEN_LENGTH)   # the longest generation length in the batch and region[:, L:].all() and not region[:, :L].any()
+    assert x.shape == (5, L + GEN_LENGTH)   # the longest generation length in the batch
+    assert region[:, L:].all() and not region[:, :L].any()
     for r, p in enumerate(batch):
         pad = L - len(p.prompt_ids)
         assert (x[r, :pad] == PAD).all() and not valid[r, :pad].any() and valid[r, pad:].all()
