@@ -31,6 +31,17 @@ def _factor_k(sorted_conf: list[float], factor: float) -> int:
     return k
 
 
+def _model_call(ckpt, x, valid, cache, step, s, e, kv):
+    """One call of a loop: a full forward without a cache or at the block start;
+    otherwise the block (dual) or the block and everything after it (prefix)
+    over the K/V of the block-start forward. Returns (logits, K/V)."""
+    if cache == "none" or step == 0:
+        return dense_logits(ckpt, x, valid, return_kv=True)
+    run = torch.zeros_like(valid)
+    run[0, s:(x.shape[1] if cache == "prefix" else e)] = True
+    return dense_logits(ckpt, x, valid, run=run, kv=kv, return_kv=True)
+
+
 def ref_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, block_length: int,
                  steps: int, unmask: str = "topk", threshold: float = 0.9, factor: float = 1.0,
                  temperature: float = 0.0, remasking: str = "low_confidence", cache: str = "none",
@@ -50,12 +61,7 @@ def ref_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, bloc
         kv = None
         step = 0
         while bool((x[0, s:e] == mask_id).any()):
-            if cache == "none" or step == 0:
-                logits, kv = dense_logits(ckpt, x, valid, return_kv=True)
-            else:
-                run = torch.zeros(1, T, dtype=torch.bool)
-                run[0, s:(T if cache == "prefix" else e)] = True
-                logits, kv = dense_logits(ckpt, x, valid, run=run, kv=kv, return_kv=True)
+            logits, kv = _model_call(ckpt, x, valid, cache, step, s, e, kv)
             lb = logits[0, s:e].clone()                           # [n, V] float64
             lb[:, mask_id] = float("-inf")  # the mask token is never an outcome
             V = lb.shape[-1]
@@ -162,12 +168,7 @@ def ref_dream_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int
         base, carry, last = n // spb, 0, spb - 1     # confidence_threshold's budget state
         kv, i = None, 0
         while bool((x[0, s:e] == mask_id).any()):
-            if cache == "none" or i == 0:
-                logits, kv = dense_logits(ckpt, x, valid, return_kv=True)
-            else:
-                run = torch.zeros(1, T, dtype=torch.bool)
-                run[0, s:(T if cache == "prefix" else e)] = True
-                logits, kv = dense_logits(ckpt, x, valid, run=run, kv=kv, return_kv=True)
+            logits, kv = _model_call(ckpt, x, valid, cache, i, s, e, kv)
             lb = logits[0, s - 1:e - 1]                    # logit shift: j from j - 1
             lb = _dream_process(lb, mask_id, temperature, top_p, top_k)
             x0, conf = _dream_token_and_conf(lb, alg, temperature, gen)
