@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from ref_generate import cache_run, llada_quota, new_canvas
 from ref_model import load_original
 
 FLOOR = 1e-5
@@ -197,22 +198,16 @@ def ref_dare_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int,
     dream = not ref.llada
     L = len(prompt)
     T = L + gen_length
-    x = torch.tensor([prompt + [mask_id] * gen_length])
-    valid = torch.ones(1, T, dtype=torch.bool)
+    x, valid = new_canvas(prompt, mask_id, gen_length)
     nb = gen_length // block_length
     spb = steps // nb
     for b in range(nb):
         s, e = L + b * block_length, L + (b + 1) * block_length
         n = block_length
-        quota = [n // spb + (1 if i < n % spb else 0) for i in range(spb)]
+        quota = llada_quota(n, spb)
         i = 0
         while bool((x[0, s:e] == mask_id).any()):
-            run = torch.zeros(1, T, dtype=torch.bool)
-            if cache == "none" or i == 0:
-                run[:] = True
-            else:
-                run[0, s:(T if cache == "prefix" else e)] = True
-            logits = ref.forward(x, valid, run, refresh=(i == 0))
+            logits = ref.forward(x, valid, cache_run(cache, i, s, e, T), refresh=(i == 0))
             lb = (logits[0, s - 1:e - 1] if dream else logits[0, s:e]).clone()
             lb[:, mask_id] = float("-inf")
             x0 = lb.argmax(-1)

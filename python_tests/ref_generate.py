@@ -37,9 +37,30 @@ def _model_call(ckpt, x, valid, cache, step, s, e, kv):
     over the K/V of the block-start forward. Returns (logits, K/V)."""
     if cache == "none" or step == 0:
         return dense_logits(ckpt, x, valid, return_kv=True)
-    run = torch.zeros_like(valid)
-    run[0, s:(x.shape[1] if cache == "prefix" else e)] = True
-    return dense_logits(ckpt, x, valid, run=run, kv=kv, return_kv=True)
+    return dense_logits(ckpt, x, valid, run=cache_run(cache, step, s, e, x.shape[1]), kv=kv,
+                        return_kv=True)
+
+
+def cache_run(cache: str, step: int, s: int, e: int, T: int) -> torch.Tensor:
+    """``[1, T]`` tokens a call runs: all without a cache or at the block start
+    (step 0); else the block [s, e) (dual) or the block and all after it (prefix)."""
+    run = torch.zeros(1, T, dtype=torch.bool)
+    if cache == "none" or step == 0:
+        run[:] = True
+    else:
+        run[0, s:(T if cache == "prefix" else e)] = True
+    return run
+
+
+def new_canvas(prompt: list[int], mask_id: int, gen_length: int):
+    """The canvas ``[1, L + gen_length]`` (prompt, then masks) and its key mask."""
+    x = torch.tensor([prompt + [mask_id] * gen_length])
+    return x, torch.ones_like(x, dtype=torch.bool)
+
+
+def llada_quota(n: int, steps: int) -> list[int]:
+    """LLaDA's quota: n tokens over `steps` steps, the first n % steps get one more."""
+    return [n // steps + (1 if i < n % steps else 0) for i in range(steps)]
 
 
 def ref_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, block_length: int,
@@ -48,16 +69,14 @@ def ref_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, bloc
                  seed: int = 0) -> list[int]:
     """One prompt (batch of one); returns the generated region's ids."""
     L = len(prompt)
-    T = L + gen_length
-    x = torch.tensor([prompt + [mask_id] * gen_length])
-    valid = torch.ones(1, T, dtype=torch.bool)
+    x, valid = new_canvas(prompt, mask_id, gen_length)
     gen = torch.Generator().manual_seed(seed)
     nb = gen_length // block_length
     spb = steps // nb
     for b in range(nb):
         s, e = L + b * block_length, L + (b + 1) * block_length
         n = block_length
-        quota = [n // spb + (1 if i < n % spb else 0) for i in range(spb)]
+        quota = llada_quota(n, spb)
         kv = None
         step = 0
         while bool((x[0, s:e] == mask_id).any()):
@@ -155,9 +174,7 @@ def ref_dream_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int
     """Dream, one prompt: its own diffusion_generate on each block in turn
     (cache="none"), or Fast-dLLM's block loop (cache="prefix"/"dual")."""
     L = len(prompt)
-    T = L + gen_length
-    x = torch.tensor([prompt + [mask_id] * gen_length])
-    valid = torch.ones(1, T, dtype=torch.bool)
+    x, valid = new_canvas(prompt, mask_id, gen_length)
     gen = torch.Generator().manual_seed(seed)
     nb = gen_length // block_length
     spb = steps // nb
