@@ -5,7 +5,7 @@ call recomputes (dllm_ops/policies), the model runs only those
 (DiffusionLM.step), and the reveal rules run as dllm ops
 (dllm.token_confidence, dllm.select_transfer).
 
-Semantics reproduced (see shared/reference/fastdllm_llada_dream.md):
+Semantics reproduced (from LLaDA's and Fast-dLLM's public generation code):
 - LLaDA `generate` (unmask="topk"): per block, ``steps / num_blocks`` steps with
   the quota schedule ``base = n // steps`` and +1 for the first ``n % steps``.
 - Fast-dLLM `generate` / `_with_prefix_cache` / `_with_dual_cache`: the block

@@ -4,7 +4,7 @@ Independent of dllm_ops: float64 dense forwards (ref_model.dense_logits with
 the stored K/V of tokens not run), d²Cache's rollout as the dense product of
 T×T matrices ``R ← Ã_l·R`` from ``R₀ = I``, the certainty density by FFT, and
 the selection rules written out with Python lists. It implements the method as
-shared/reference/d2cache.md describes it with the two reference bugs fixed
+d²Cache's public reference code runs it, with that code's two bugs fixed
 and the project's choices (dllm_ops/policies/d2cache.py's docstring):
 
 - first call a full forward; later calls run stage 1 ∪ revealed ∪ stage 2;

@@ -115,9 +115,8 @@ def ref_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, bloc
 
 
 # ---- Dream ---------------------------------------------------------------------
-# Written from Dream's generation code as described in
-# shared/reference/fastdllm_llada_dream.md: its own diffusion_generate (no
-# cache) and Fast-dLLM's block loop (prefix / dual cache).
+# Written from Dream's public generation code: its own diffusion_generate
+# (no cache) and Fast-dLLM's Dream block loop (prefix / dual cache).
 
 def _dream_schedule(steps: int):
     # Dream's timesteps: a float32 linspace(1, eps, steps + 1), eps = 1e-3.
