@@ -1,7 +1,7 @@
 // CPU kernels of the `quant` family (dLLM-KVQ packed KV cache): grouped K
 // quantization with protected tokens, V quantization, both dequantizations,
 // the p = 0 K reconstruction error, and softmax attention over the packed cache.
-// The per-element math is common/quant_math.h, shared with the CUDA kernels.
+// The per-element math is math/quant_math.h, shared with the CUDA kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -11,10 +11,10 @@
 #include <atomic>
 #include <vector>
 
-#include "common/dispatch.h"
-#include "common/quant_checks.h"
-#include "common/quant_math.h"
-#include "common/sparse_kv_math.h"
+#include "aten/dispatch.h"
+#include "aten/quant_checks.h"
+#include "math/quant_math.h"
+#include "math/sparse_kv_math.h"
 
 // The per-row loops below stay out of line: inlined into their callers, GCC
 // loses their restrict guarantees and runs the scalar fallback.

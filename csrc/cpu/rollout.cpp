@@ -1,5 +1,5 @@
 // CPU kernels of the `rollout` family: attention rollout importance in
-// O(L·Q·T) and nucleus (top-p) selection. The math is in common/rollout_math.h.
+// O(L·Q·T) and nucleus (top-p) selection. The math is in math/rollout_math.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -8,9 +8,9 @@
 #include <atomic>
 #include <vector>
 
-#include "common/dispatch.h"
-#include "common/rollout_checks.h"
-#include "common/rollout_math.h"
+#include "aten/dispatch.h"
+#include "aten/rollout_checks.h"
+#include "math/rollout_math.h"
 
 namespace dllm {
 namespace {

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "common/dllm_math.h"
-#include "common/dispatch.h"
-#include "common/select_checks.h"
-#include "common/select_math.h"
+#include "math/dllm_math.h"
+#include "aten/dispatch.h"
+#include "aten/select_checks.h"
+#include "math/select_math.h"
 
 namespace dllm {
 namespace {

@@ -10,9 +10,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/dispatch.h"
-#include "common/sparse_kv_checks.h"
-#include "common/sparse_kv_math.h"
+#include "aten/dispatch.h"
+#include "aten/sparse_kv_checks.h"
+#include "math/sparse_kv_math.h"
 
 // Hot softmax loops are compiled per ISA and picked at load time (GCC/Clang
 // ifunc), so the default build -- no -march flag -- still runs them with

@@ -13,7 +13,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
-#include "common/sparse_kv_math.h"
+#include "math/sparse_kv_math.h"
 
 #include <cstdint>
 

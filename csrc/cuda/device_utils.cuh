@@ -5,7 +5,7 @@
 #pragma once
 
 #include "cudasim/cuda_compat.cuh"
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cstdint>
 

@@ -1,9 +1,9 @@
 // Launch glue of the `quant` family: validation, dtype dispatch, launches, and
 // the read-back of the kernels' status word (non-finite input, NaN importance,
 // scale overflow, corrupt prot_idx): one 4-byte device-to-host copy per call.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/quant_checks.h"
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/quant_checks.h"
 #include "cuda/quant.cuh"
 
 namespace dllm {

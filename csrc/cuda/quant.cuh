@@ -2,16 +2,16 @@
 // grouped K quantization with top-p protected tokens, V quantization, both
 // dequantizations, the p = 0 K reconstruction error, and flash-style softmax
 // attention that dequantizes the packed cache tile by tile in shared memory.
-// Element math: common/quant_math.h (shared with the CPU kernels, so codes,
-// scales and mins are bit-identical); softmax state: common/sparse_kv_math.h.
+// Element math: math/quant_math.h (shared with the CPU kernels, so codes,
+// scales and mins are bit-identical); softmax state: math/sparse_kv_math.h.
 //
 // Data-dependent faults set bits of a device status word (math::QuantStatus)
 // that the glue reads back once per call.
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
-#include "common/quant_math.h"
-#include "common/sparse_kv_math.h"
+#include "math/quant_math.h"
+#include "math/sparse_kv_math.h"
 #include "cuda/attention_tile.cuh"
 
 #include <algorithm>

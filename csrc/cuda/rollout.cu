@@ -2,9 +2,9 @@
 // launch, and the read-back of the kernels' status word (data-dependent
 // faults: index range, duplicates, non-finite values). The read-back syncs
 // the stream once per call; the op's result feeds a host-side plan anyway.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/rollout_checks.h"
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/rollout_checks.h"
 #include "cuda/rollout.cuh"
 
 namespace dllm {

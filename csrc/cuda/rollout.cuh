@@ -1,4 +1,4 @@
-// ATen-free CUDA kernels of the `rollout` family (math: common/rollout_math.h).
+// ATen-free CUDA kernels of the `rollout` family (math: math/rollout_math.h).
 //
 // rollout_scores: the layers are sequential (layer l reads the v that layer
 // l+1 wrote), so every layer is its own launch; inside a layer all B·T columns
@@ -22,7 +22,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"
-#include "common/rollout_math.h"
+#include "math/rollout_math.h"
 
 namespace dllm {
 namespace cuda {

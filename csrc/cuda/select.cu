@@ -1,7 +1,7 @@
 // Launch glue of the `select` family: validation, dtype dispatch, launch.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/select_checks.h"
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/select_checks.h"
 #include "cuda/select.cuh"
 
 #if !defined(CUDASIM)

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: brings the CUDA (or simulated) definitions
-#include "common/select_math.h"
+#include "math/select_math.h"
 
 namespace dllm {
 namespace cuda {

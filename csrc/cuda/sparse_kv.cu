@@ -1,7 +1,7 @@
 // Launch glue of the `sparse_kv` family: validation, dtype dispatch, launches.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/sparse_kv_checks.h"
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/sparse_kv_checks.h"
 #include "cuda/sparse_kv.cuh"
 
 namespace dllm {

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
-#include "common/sparse_kv_math.h"
+#include "math/sparse_kv_math.h"
 #include "cuda/attention_tile.cuh"
 
 #include <cstdint>

@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/checks.h"
-#include "common/sparse_kv_math.h"
+#include "aten/checks.h"
+#include "math/sparse_kv_math.h"
 
 namespace dllm {
 

@@ -17,7 +17,7 @@
 // element j of the byte at bits [b*j, b*j + b) ("little end first").
 #pragma once
 
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cfloat>
 #include <cstdint>

@@ -9,7 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "common/checks.h"
+#include "aten/checks.h"
 
 #if defined(CUDASIM)
 #include "cudasim/cuda_compat.cuh"

@@ -6,8 +6,8 @@
 // reported as RolloutStatus / NucleusStatus bits, turned into messages here.
 #pragma once
 
-#include "common/checks.h"
-#include "common/rollout_math.h"
+#include "aten/checks.h"
+#include "math/rollout_math.h"
 
 #include <cmath>
 

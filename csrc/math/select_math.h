@@ -4,7 +4,7 @@
 // test exercises the arithmetic the device runs.
 #pragma once
 
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cfloat>
 #include <climits>

@@ -2,8 +2,8 @@
 // so both backends reject exactly the same inputs with the same messages.
 #pragma once
 
-#include "common/checks.h"
-#include "common/select_math.h"
+#include "aten/checks.h"
+#include "math/select_math.h"
 
 #include <ATen/ATen.h>
 

@@ -10,8 +10,8 @@
 #include <cmath>
 #include <optional>
 
-#include "common/checks.h"
-#include "common/quant_math.h"
+#include "aten/checks.h"
+#include "math/quant_math.h"
 
 namespace dllm {
 
