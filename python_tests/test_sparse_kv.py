@@ -252,6 +252,17 @@ def test_sparse_attention_matches_reference(backend, dtype, return_probs):
         _check_probs_properties(probs.cpu(), valid, label)
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_sparse_kv_cpu_narrow_isa(monkeypatch, isa):
+    """The RoPE rows and the softmax loops are compiled per instruction set
+    (csrc/cpu/sparse_kv_kernels.h); the widest the machine has runs by default
+    and DLLM_CPU_ISA caps it, so the narrower copies meet the same bounds here."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        test_rope_scatter_kv_matches_reference("cpu", dtype)
+        test_sparse_attention_matches_reference("cpu", dtype, dtype == torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sparse_attention_empty_row_gives_zeros(backend):
     f = op(backend, "sparse_attention")

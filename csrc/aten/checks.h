@@ -1,5 +1,14 @@
 // Input validation shared by the CPU and CUDA glue. Every message starts with
 // "dllm::<op>:" so a user can tell which op rejected which argument.
+//
+// Conventions of every check and raise helper under csrc/aten/:
+//   check_<what>(op, value, name, ..., requirement): the op first, then each
+//     checked value followed by the name the message gives it, then what it
+//     must satisfy (check_dim(op, logits, "logits", 2)). Helpers for one op
+//     (check_<op>) fix op themselves and take the op's arguments in order.
+//   raise_<what>(op, status, context...): turns a fault a kernel reported
+//     (a status word or record, 0 = none) into the error message; it returns
+//     when there is no fault, so the glue calls it unconditionally.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,35 +24,35 @@ inline bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-inline void check_floating(const at::Tensor& t, const char* op, const char* name) {
+inline void check_floating(const char* op, const at::Tensor& t, const char* name) {
   DLLM_CHECK(is_float_type(t.scalar_type()), op, name,
              " must be float32, float16 or bfloat16, got ", t.scalar_type());
 }
 
-inline void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op,
-                        const char* name) {
+inline void check_dtype(const char* op, const at::Tensor& t, const char* name,
+                        at::ScalarType want) {
   DLLM_CHECK(t.scalar_type() == want, op, name, " must be ", want, ", got ",
              t.scalar_type());
 }
 
-inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
+inline void check_dim(const char* op, const at::Tensor& t, const char* name, int64_t dim) {
   DLLM_CHECK(t.dim() == dim, op, name, " must have ", dim, " dims, got shape ", t.sizes());
 }
 
-inline void check_same_shape(const at::Tensor& a, const at::Tensor& b, const char* op,
-                             const char* an, const char* bn) {
+inline void check_same_shape(const char* op, const at::Tensor& a, const char* an,
+                             const at::Tensor& b, const char* bn) {
   DLLM_CHECK(a.sizes() == b.sizes(), op, an, " and ", bn, " must have the same shape, got ",
              a.sizes(), " and ", b.sizes());
 }
 
-inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op,
-                             const char* an, const char* bn) {
+inline void check_same_dtype(const char* op, const at::Tensor& a, const char* an,
+                             const at::Tensor& b, const char* bn) {
   DLLM_CHECK(a.scalar_type() == b.scalar_type(), op, an, " and ", bn,
              " must have the same dtype, got ", a.scalar_type(), " and ", b.scalar_type());
 }
 
-inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
-                              const char* an, const char* bn) {
+inline void check_same_device(const char* op, const at::Tensor& a, const char* an,
+                              const at::Tensor& b, const char* bn) {
   DLLM_CHECK(a.device() == b.device(), op, an, " and ", bn,
              " must be on the same device, got ", a.device(), " and ", b.device());
 }

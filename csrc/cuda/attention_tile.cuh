@@ -16,6 +16,7 @@
 #include "math/sparse_kv_math.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace dllm {
 namespace cuda {
@@ -31,6 +32,26 @@ struct AttnTile {
   static constexpr int kRows = kAttnWarps * kRowsPerWarp;
   static constexpr int kDim = DCH * kWarp;
 };
+
+// Calls f(std::integral_constant<int, DCH>) for d's head-dim class: every
+// attention launch instantiates its kernel for these three classes only.
+template <typename F>
+inline void with_head_dim_chunks(int d, F&& f) {
+  if (d <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (d <= 128)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
+}
+
+// Grid of an attention launch: (row tiles, KV heads, batch rows).
+template <int DCH>
+inline dim3 attn_grid(int B, int Q, int H, int H_kv) {
+  const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
+  return dim3(static_cast<unsigned>((rows + AttnTile<DCH>::kRows - 1) / AttnTile<DCH>::kRows),
+              static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
+}
 
 // Element offset of row r's query / output vector, in units of d.
 __device__ __forceinline__ int64_t attn_row_offset(int64_t b, int r, int Q, int H, int G, int kvh) {
