@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <utility>
 
 #define DLLM_CHECK(cond, op, ...) TORCH_CHECK((cond), "dllm::", op, ": ", __VA_ARGS__)
 
@@ -55,6 +56,34 @@ inline void check_same_device(const char* op, const at::Tensor& a, const char* a
                               const at::Tensor& b, const char* bn) {
   DLLM_CHECK(a.device() == b.device(), op, an, " and ", bn,
              " must be on the same device, got ", a.device(), " and ", b.device());
+}
+
+// A string argument's value among `choices` ({spelling, value} pairs); any
+// other string is an error that lists them ("mode must be 'a', 'b' or 'c',
+// got 'x'"). E is given explicitly: parse_choice<math::ConfMode>(...).
+template <typename E, size_t N>
+inline E parse_choice(const char* op, const char* name, c10::string_view got,
+                      const std::pair<const char*, E> (&choices)[N]) {
+  for (const auto& choice : choices)
+    if (got == choice.first) return choice.second;
+  std::string list;
+  for (size_t i = 0; i < N; ++i)
+    list += std::string(i == 0 ? "'" : (i + 1 == N ? " or '" : ", '")) + choices[i].first + "'";
+  DLLM_CHECK(false, op, name, " must be ", list, ", got '", std::string(got), "'");
+  return choices[0].second;
+}
+
+// The selection ops' inputs: values [B, L] (float32, float16 or bfloat16) and
+// a bool mask of the same shape on the same device (which positions count).
+// `dims` names the two axes in messages, e.g. "[B, L]".
+inline void check_values_and_mask(const char* op, const at::Tensor& values,
+                                  const char* values_name, const at::Tensor& mask,
+                                  const char* mask_name, const char* dims) {
+  check_dim(op, values, (std::string(values_name) + " (" + dims + ")").c_str(), 2);
+  check_floating(op, values, values_name);
+  check_dtype(op, mask, mask_name, at::kBool);
+  check_same_shape(op, values, values_name, mask, mask_name);
+  check_same_device(op, values, values_name, mask, mask_name);
 }
 
 }  // namespace dllm

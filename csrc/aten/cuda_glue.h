@@ -82,6 +82,18 @@ inline void check_kernel_device(const char* op, const at::Tensor& t, const char*
 #define DLLM_CUDA_REGISTER(m, name, fn) m.impl(name, TORCH_FN(fn))
 #endif
 
+// Every CUDA op, right after its argument checks: `t` (named `name` in
+// messages) must be a CUDA tensor -- in the simulation, a CPU tensor -- and
+// the op runs on t's device.
+#define DLLM_CUDA_ENTER(op, t, name) \
+  check_kernel_device(op, t, name);  \
+  DLLM_CUDA_GUARD(t)
+
+// Kernels that put one row per block index rows with a 32-bit grid dimension.
+inline void check_launch_rows(const char* op, int64_t rows) {
+  DLLM_CHECK(rows <= INT32_MAX, op, "too many rows (", rows, ") for one launch");
+}
+
 // ---- kernel status read-back ------------------------------------------------
 // Kernels report data-dependent faults (a NaN input, an index out of range, a
 // corrupt packed cache) into a small zeroed device record: a status word of

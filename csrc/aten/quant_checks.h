@@ -183,6 +183,23 @@ inline QuantVOutputs prepare_quantize_v(const QuantVShape& s, const at::Tensor& 
           at::empty(sizes.scale, v.options())};
 }
 
+// What every packed cache has: valid bits and group, 4-dim uint8 codes, and
+// 4-dim floating scale / min of one dtype. `pre` ("k_", "v_" in
+// quant_attention) prefixes the names in messages; the dims describe the axes.
+inline void check_packed_tensors(const char* op, const std::string& pre, const at::Tensor& codes,
+                                 const char* codes_dims, const at::Tensor& scale,
+                                 const char* scale_dims, const at::Tensor& min, int64_t bits,
+                                 int64_t group) {
+  const std::string n_codes = pre + "codes", n_scale = pre + "scale";
+  check_quant_bits(op, bits, (pre + "bits").c_str());
+  check_quant_group(op, group, (pre + "group").c_str());
+  check_dim(op, codes, (n_codes + " (" + codes_dims + ")").c_str(), 4);
+  check_dtype(op, codes, n_codes.c_str(), at::kByte);
+  check_dim(op, scale, (n_scale + " (" + scale_dims + ")").c_str(), 4);
+  check_floating(op, scale, n_scale.c_str());
+  check_same_dtype(op, scale, n_scale.c_str(), min, (pre + "min").c_str());
+}
+
 // A packed K cache (math/quant_math.h "packed layout"): codes uint8
 // [B, H_kv, rows, d], scale / min [B, H_kv, n_groups, d], prot_idx uint8
 // [B, H_kv, n_groups, p], prot_val [B, H_kv, n_groups, p, d]. B, H_kv, d and p
@@ -194,14 +211,9 @@ inline QuantKShape check_packed_k(const char* op, const at::Tensor& codes, const
   const std::string pre(prefix);
   const std::string n_codes = pre + "codes", n_scale = pre + "scale", n_min = pre + "min",
                     n_idx = pre + "prot_idx", n_val = pre + "prot_val";
-  check_quant_bits(op, bits, (pre + "bits").c_str());
-  check_quant_group(op, group, (pre + "group").c_str());
+  check_packed_tensors(op, pre, codes, "[B, H_kv, rows, d]", scale, "[B, H_kv, n_groups, d]", min,
+                       bits, group);
   DLLM_CHECK(length >= 0, op, "length must be >= 0, got ", length);
-  check_dim(op, codes, (n_codes + " ([B, H_kv, rows, d])").c_str(), 4);
-  check_dtype(op, codes, n_codes.c_str(), at::kByte);
-  check_dim(op, scale, (n_scale + " ([B, H_kv, n_groups, d])").c_str(), 4);
-  check_floating(op, scale, n_scale.c_str());
-  check_same_dtype(op, scale, n_scale.c_str(), min, n_min.c_str());
   check_same_dtype(op, scale, n_scale.c_str(), prot_val, n_val.c_str());
   check_dtype(op, prot_idx, n_idx.c_str(), at::kByte);
   DLLM_CHECK(prot_idx.dim() == 4, op, n_idx, " must be [B, H_kv, n_groups, p], got ",
@@ -239,13 +251,8 @@ inline QuantVShape check_packed_v(const char* op, const at::Tensor& codes, const
                                   const char* prefix = "") {
   const std::string pre(prefix);
   const std::string n_codes = pre + "codes", n_scale = pre + "scale", n_min = pre + "min";
-  check_quant_bits(op, bits, (pre + "bits").c_str());
-  check_quant_group(op, group, (pre + "group").c_str());
-  check_dim(op, codes, (n_codes + " ([B, H_kv, T, d * bits / 8])").c_str(), 4);
-  check_dtype(op, codes, n_codes.c_str(), at::kByte);
-  check_dim(op, scale, (n_scale + " ([B, H_kv, T, d / group])").c_str(), 4);
-  check_floating(op, scale, n_scale.c_str());
-  check_same_dtype(op, scale, n_scale.c_str(), min, n_min.c_str());
+  check_packed_tensors(op, pre, codes, "[B, H_kv, T, d * bits / 8]", scale,
+                       "[B, H_kv, T, d / group]", min, bits, group);
   check_same_shape(op, scale, n_scale.c_str(), min, n_min.c_str());
   const QuantVShape s = packed_v_shape(codes.size(0), codes.size(1), codes.size(2),
                                        scale.size(3) * group, group, bits);

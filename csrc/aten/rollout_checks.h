@@ -54,11 +54,7 @@ inline void raise_rollout_status(int status, int64_t T) {
 inline void check_nucleus_select(const at::Tensor& scores, const at::Tensor& candidate, double p,
                                  int64_t min_k) {
   constexpr const char* op = "nucleus_select";
-  check_dim(op, scores, "scores ([B, T])", 2);
-  check_floating(op, scores, "scores");
-  check_dtype(op, candidate, "candidate", at::kBool);
-  check_same_shape(op, scores, "scores", candidate, "candidate");
-  check_same_device(op, scores, "scores", candidate, "candidate");
+  check_values_and_mask(op, scores, "scores", candidate, "candidate", "[B, T]");
   DLLM_CHECK(p > 0.0 && p <= 1.0, op, "p must be in (0, 1], got ", p);
   DLLM_CHECK(min_k >= 0, op, "min_k must be >= 0, got ", min_k);
   DLLM_CHECK(scores.size(1) < (int64_t{1} << 31), op, "T must be < 2^31, got ", scores.size(1));

@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace dllm {
 
@@ -29,12 +30,10 @@ inline void check_cosine_drift(const at::Tensor& x, const at::Tensor& x_prev) {
 // ---- token_confidence ---------------------------------------------------------
 
 inline math::ConfMode parse_conf_mode(c10::string_view mode) {
-  if (mode == "prob") return math::kConfProb;
-  if (mode == "margin") return math::kConfMargin;
-  if (mode == "neg_entropy") return math::kConfNegEntropy;
-  DLLM_CHECK(false, "token_confidence", "mode must be 'prob', 'margin' or 'neg_entropy', got '",
-             std::string(mode), "'");
-  return math::kConfProb;
+  return parse_choice<math::ConfMode>(
+      "token_confidence", "mode", mode,
+      {{"prob", math::kConfProb}, {"margin", math::kConfMargin},
+       {"neg_entropy", math::kConfNegEntropy}});
 }
 
 // Shapes, dtypes and devices; values (NaN, suppress range) are checked by the
@@ -109,23 +108,17 @@ inline void raise_token_confidence_status(int status, const at::Tensor& logits,
 // ---- select_transfer ----------------------------------------------------------
 
 inline math::TransferRule parse_transfer_rule(c10::string_view rule) {
-  if (rule == "topk") return math::kRuleTopk;
-  if (rule == "threshold") return math::kRuleThreshold;
-  if (rule == "factor") return math::kRuleFactor;
-  DLLM_CHECK(false, "select_transfer", "rule must be 'topk', 'threshold' or 'factor', got '",
-             std::string(rule), "'");
-  return math::kRuleTopk;
+  return parse_choice<math::TransferRule>(
+      "select_transfer", "rule", rule,
+      {{"topk", math::kRuleTopk}, {"threshold", math::kRuleThreshold},
+       {"factor", math::kRuleFactor}});
 }
 
 inline void check_select_transfer(const at::Tensor& score, const at::Tensor& candidate,
                                   math::TransferRule rule, const std::optional<at::Tensor>& k,
                                   double threshold, double factor) {
   constexpr const char* op = "select_transfer";
-  check_dim(op, score, "score ([B, L])", 2);
-  check_floating(op, score, "score");
-  check_dtype(op, candidate, "candidate", at::kBool);
-  check_same_shape(op, score, "score", candidate, "candidate");
-  check_same_device(op, score, "score", candidate, "candidate");
+  check_values_and_mask(op, score, "score", candidate, "candidate", "[B, L]");
   DLLM_CHECK(score.size(1) < INT32_MAX, op, "L must be < 2^31 - 1, got ", score.size(1));
   if (rule == math::kRuleTopk) {
     DLLM_CHECK(k.has_value(), op, "rule 'topk' needs k (int64 [B])");
@@ -187,14 +180,48 @@ inline void check_certainty_density(const at::Tensor& decoded, double sigma) {
 
 inline void check_drift_select(const char* op, const at::Tensor& drift, const at::Tensor& region,
                                int64_t max_recompute) {
-  check_dim(op, drift, "drift ([B, T])", 2);
-  check_floating(op, drift, "drift");
-  check_dtype(op, region, "region", at::kBool);
-  check_same_shape(op, drift, "drift", region, "region");
-  check_same_device(op, drift, "drift", region, "region");
+  check_values_and_mask(op, drift, "drift", region, "region", "[B, T]");
   DLLM_CHECK(drift.size(1) < INT32_MAX, op, "T must be < 2^31 - 1, got ", drift.size(1));
   DLLM_CHECK(max_recompute >= 0 && max_recompute < INT32_MAX, op,
              "max_recompute must be in [0, 2^31 - 1), got ", max_recompute);
+}
+
+// Which tokens drift_select / drift_select_threshold reuse: the `param`
+// fraction of the region with the lowest drift (by_fraction), or those whose
+// drift is below the threshold `param`. Checked here for both backends.
+struct DriftRule {
+  const char* op;
+  bool by_fraction;
+  double param;
+};
+
+inline DriftRule drift_rule_fraction(double reuse_fraction) {
+  DLLM_CHECK(reuse_fraction >= 0 && reuse_fraction < 1, "drift_select",
+             "reuse_fraction must be in [0, 1), got ", reuse_fraction);
+  return {"drift_select", true, reuse_fraction};
+}
+
+inline DriftRule drift_rule_threshold(double threshold) {
+  DLLM_CHECK(!std::isnan(threshold), "drift_select_threshold", "threshold must not be NaN");
+  return {"drift_select_threshold", false, threshold};
+}
+
+// The two schemas on one backend's implementation, impl(rule, drift, region,
+// max_recompute): what each backend registers (cpu/select.cpp, cuda/select.cu).
+using DriftSelectResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using DriftSelectImpl = DriftSelectResult (*)(const DriftRule&, const at::Tensor&,
+                                              const at::Tensor&, int64_t);
+
+template <DriftSelectImpl impl>
+DriftSelectResult drift_select_op(const at::Tensor& drift, const at::Tensor& region,
+                                  double reuse_fraction, int64_t max_recompute) {
+  return impl(drift_rule_fraction(reuse_fraction), drift, region, max_recompute);
+}
+
+template <DriftSelectImpl impl>
+DriftSelectResult drift_select_threshold_op(const at::Tensor& drift, const at::Tensor& region,
+                                            double threshold, int64_t max_recompute) {
+  return impl(drift_rule_threshold(threshold), drift, region, max_recompute);
 }
 
 // Error path of math::DriftStatus bits: names the first bad row and why.

@@ -278,12 +278,11 @@ at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool l
 // returns the real recompute count, or -1 on a NaN drift in the region.
 // Branch-free over the (random) region mask; `slots` is T_len scratch ids.
 template <typename T>
-int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_fraction,
-                         double reuse_fraction, double threshold, int64_t max_recompute,
-                         bool* reuse, int32_t* idx, std::vector<uint64_t>& keys,
-                         std::vector<int32_t>& slots) {
+int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, const DriftRule& rule,
+                         int64_t max_recompute, bool* reuse, int32_t* idx,
+                         std::vector<uint64_t>& keys, std::vector<int32_t>& slots) {
   bool nan = false;
-  if (by_fraction) {
+  if (rule.by_fraction) {
     keys.resize(T_len);
     int64_t n = 0;
     for (int64_t i = 0; i < T_len; ++i) {
@@ -294,14 +293,14 @@ int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_
       reuse[i] = false;
     }
     if (nan) return -1;
-    const int64_t r = math::drift_reuse_count(reuse_fraction, n);
+    const int64_t r = math::drift_reuse_count(rule.param, n);
     if (r > 0 && r < n) std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.begin() + n);
     for (int64_t j = 0; j < r; ++j) reuse[math::key_index(keys[j])] = true;
   } else {
     for (int64_t i = 0; i < T_len; ++i) {
       const float v = static_cast<float>(d[i]);
       nan |= region[i] & (v != v);
-      reuse[i] = region[i] & !(static_cast<double>(v) >= threshold);
+      reuse[i] = region[i] & !(static_cast<double>(v) >= rule.param);
     }
     if (nan) return -1;
   }
@@ -317,9 +316,9 @@ int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_
   return count;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_impl(
-    const char* op, const at::Tensor& drift, const at::Tensor& region, bool by_fraction,
-    double reuse_fraction, double threshold, int64_t max_recompute) {
+DriftSelectResult drift_select_cpu(const DriftRule& rule, const at::Tensor& drift,
+                                    const at::Tensor& region, int64_t max_recompute) {
+  const char* op = rule.op;
   check_drift_select(op, drift, region, max_recompute);
   const int64_t B = drift.size(0), T_len = drift.size(1);
   const auto dc = drift.contiguous();
@@ -339,9 +338,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_impl(
       std::vector<uint64_t> keys;
       std::vector<int32_t> slots;
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t c = drift_select_row(drift_p + b * T_len, region_p + b * T_len, T_len, by_fraction,
-                                           reuse_fraction, threshold, max_recompute,
-                                           reuse_p + b * T_len, idx_p + b * max_recompute, keys, slots);
+        const int64_t c = drift_select_row(drift_p + b * T_len, region_p + b * T_len, T_len,
+                                           rule, max_recompute, reuse_p + b * T_len,
+                                           idx_p + b * max_recompute, keys, slots);
         if (c < 0) {
           faults.add(math::kDriftNaN);
           count_p[b] = 0;
@@ -356,23 +355,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_impl(
   return {reuse, idx, count};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cpu(const at::Tensor& drift,
-                                                                const at::Tensor& region,
-                                                                double reuse_fraction,
-                                                                int64_t max_recompute) {
-  DLLM_CHECK(reuse_fraction >= 0 && reuse_fraction < 1, "drift_select",
-             "reuse_fraction must be in [0, 1), got ", reuse_fraction);
-  return drift_select_impl("drift_select", drift, region, true, reuse_fraction, 0.0,
-                           max_recompute);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_threshold_cpu(
-    const at::Tensor& drift, const at::Tensor& region, double threshold, int64_t max_recompute) {
-  DLLM_CHECK(!std::isnan(threshold), "drift_select_threshold", "threshold must not be NaN");
-  return drift_select_impl("drift_select_threshold", drift, region, false, 0.0, threshold,
-                           max_recompute);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dllm, CPU, m) {
@@ -380,8 +362,8 @@ TORCH_LIBRARY_IMPL(dllm, CPU, m) {
   m.impl("token_confidence", &token_confidence_cpu);
   m.impl("select_transfer", &select_transfer_cpu);
   m.impl("certainty_density", &certainty_density_cpu);
-  m.impl("drift_select", &drift_select_cpu);
-  m.impl("drift_select_threshold", &drift_select_threshold_cpu);
+  m.impl("drift_select", &drift_select_op<drift_select_cpu>);
+  m.impl("drift_select_threshold", &drift_select_threshold_op<drift_select_cpu>);
 }
 
 }  // namespace dllm

@@ -137,23 +137,39 @@ DLLM_CPU_NOINLINE inline void column_exp_sum(float* __restrict__ st,
   }
 }
 
-// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype P, in 16x16 blocks so
-// both sides stream through cache lines.
-template <typename P>
-DLLM_CPU_NOINLINE void normalize_transpose(const float* __restrict__ st,
-                                           const float* __restrict__ inv, int64_t T, int64_t M,
-                                           P* __restrict__ p_) {
-  using E = Elem<P>;
-  auto* __restrict__ p = reinterpret_cast<typename E::Bits*>(p_);
+// dst [cols, rows] = src [rows, cols]^T in 16x16 blocks, so both sides
+// stream through cache lines; row_map(c) gives the map that takes the
+// elements of output row c from the src type to the dst type.
+template <typename In, typename Out, typename RowMap>
+DLLM_CPU_NOINLINE void transpose_blocks(const In* __restrict__ src, int64_t rows, int64_t cols,
+                                        Out* __restrict__ dst, RowMap row_map) {
   constexpr int64_t kB = 16;
-  for (int64_t r0 = 0; r0 < M; r0 += kB) {
-    const int64_t r1 = std::min(M, r0 + kB);
-    for (int64_t t0 = 0; t0 < T; t0 += kB) {
-      const int64_t t1 = std::min(T, t0 + kB);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = E::store(st[t * M + r] * inv[r]);
+  for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+    const int64_t c1 = std::min(cols, c0 + kB);
+    for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB);
+      for (int64_t c = c0; c < c1; ++c) {
+        const auto map = row_map(c);
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = map(src[r * cols + c]);
+      }
     }
   }
+}
+
+// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype P.
+template <typename P>
+inline void normalize_transpose(const float* st, const float* inv, int64_t T, int64_t M, P* p) {
+  using E = Elem<P>;
+  transpose_blocks(st, T, M, reinterpret_cast<typename E::Bits*>(p), [inv](int64_t r) {
+    const float inv_r = inv[r];
+    return [inv_r](float x) { return E::store(x * inv_r); };
+  });
+}
+
+// dst [cols, rows] = src [rows, cols]^T for 2- or 4-byte elements.
+template <typename E>
+inline void transpose_blocked(const E* src, int64_t rows, int64_t cols, E* dst) {
+  transpose_blocks(src, rows, cols, dst, [](int64_t) { return [](E x) { return x; }; });
 }
 
 // dst[i] = src[i] rounded to the output dtype O (round to nearest even).
@@ -165,21 +181,6 @@ DLLM_CPU_NOINLINE void store_floats(const float* __restrict__ src, int64_t n, O*
     using E = Elem<O>;
     auto* __restrict__ dst = reinterpret_cast<typename E::Bits*>(dst_);
     for (int64_t i = 0; i < n; ++i) dst[i] = E::store(src[i]);
-  }
-}
-
-// dst [cols, rows] = src [rows, cols]^T for 2- or 4-byte elements, 16x16 blocks.
-template <typename E>
-DLLM_CPU_NOINLINE void transpose_blocked(const E* __restrict__ src, int64_t rows, int64_t cols,
-                                         E* __restrict__ dst) {
-  constexpr int64_t kB = 16;
-  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
-    const int64_t r1 = std::min(rows, r0 + kB);
-    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
-      const int64_t c1 = std::min(cols, c0 + kB);
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
-    }
   }
 }
 

@@ -118,6 +118,37 @@ struct WarpRows {
     }
   }
 
+  // Scores one tile of BK keys for each of this warp's rows and folds them
+  // in: lane l scores key l (key_ok false: masked, or past the tile).
+  template <int BK, int R, int DM, int KDM, int VDM>
+  __device__ __forceinline__ void fold_tile(const float (&qs)[R][DM], const float (&ks)[BK][KDM],
+                                            const float (&vs)[BK][VDM], bool key_ok, int row0,
+                                            int n_rows, int warp, int lane, int d, float scale) {
+#pragma unroll
+    for (int w = 0; w < RW; ++w) {
+      const int rr = warp * RW + w;
+      if (row0 + rr >= n_rows) break;  // warp-uniform
+      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
+      fold<BK>(w, s, vs, d, lane);
+    }
+  }
+
+  // Stores each of this warp's rows (see store) to its place in out
+  // [B, Q, H, d], then calls on_row(w, o) with o its row offset in units of d.
+  template <typename T, typename OnRow>
+  __device__ __forceinline__ void store_rows(T* __restrict__ out, int64_t b, int row0, int n_rows,
+                                             int Q, int H, int G, int kvh, int warp, int lane,
+                                             int d, OnRow on_row) const {
+#pragma unroll
+    for (int w = 0; w < RW; ++w) {
+      const int r = row0 + warp * RW + w;
+      if (r >= n_rows) break;
+      const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
+      store(w, out + o * d, d, lane);
+      on_row(w, o);
+    }
+  }
+
   // Writes row w's normalised output (d values) to `dst`.
   template <typename T>
   __device__ __forceinline__ void store(int w, T* __restrict__ dst, int d, int lane) const {

@@ -60,8 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& importance) {
   constexpr const char* op = "quantize_k";
   const QuantKShape s = check_quantize_k(k, bits, group, protect_p, importance);
-  check_kernel_device(op, k, "k");
-  DLLM_CUDA_GUARD(k);
+  DLLM_CUDA_ENTER(op, k, "k");
   const auto kc = k.contiguous();
   const QuantKOutputs o = prepare_quantize_k(s, k, importance);
   if (s.B * s.H * s.n_groups == 0) return {o.codes, o.scale, o.mn, o.prot_idx, o.prot_val};
@@ -83,8 +82,7 @@ at::Tensor dequantize_k_cuda(const at::Tensor& codes, const at::Tensor& scale, c
                              int64_t group, int64_t length) {
   constexpr const char* op = "dequantize_k";
   const QuantKShape s = check_packed_k(op, codes, scale, mn, prot_idx, prot_val, bits, group, length);
-  check_kernel_device(op, codes, "codes");
-  DLLM_CUDA_GUARD(codes);
+  DLLM_CUDA_ENTER(op, codes, "codes");
   const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
   const auto ic = prot_idx.contiguous(), vc = prot_val.contiguous();
   auto out = at::empty({s.B, s.H, s.T, s.d}, scale.options());
@@ -104,8 +102,7 @@ at::Tensor dequantize_k_cuda(const at::Tensor& codes, const at::Tensor& scale, c
 at::Tensor k_quant_error_cuda(const at::Tensor& k, int64_t bits, int64_t group) {
   constexpr const char* op = "k_quant_error";
   const QuantKShape s = check_k_quant_error(k, bits, group);
-  check_kernel_device(op, k, "k");
-  DLLM_CUDA_GUARD(k);
+  DLLM_CUDA_ENTER(op, k, "k");
   const auto kc = k.contiguous();
   auto err = at::empty({s.B, s.H, s.T}, k.options().dtype(at::kFloat));
   if (err.numel() == 0) return err;
@@ -126,8 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cuda(const at::Tensor&
                                                                int64_t group) {
   constexpr const char* op = "quantize_v";
   const QuantVShape s = check_quantize_v(v, bits, group);
-  check_kernel_device(op, v, "v");
-  DLLM_CUDA_GUARD(v);
+  DLLM_CUDA_ENTER(op, v, "v");
   const auto vc = v.contiguous();
   const QuantVOutputs o = prepare_quantize_v(s, v);
   const int64_t n_rows = s.B * s.H * s.T;
@@ -148,8 +144,7 @@ at::Tensor dequantize_v_cuda(const at::Tensor& codes, const at::Tensor& scale, c
                              int64_t bits, int64_t group) {
   constexpr const char* op = "dequantize_v";
   const QuantVShape s = check_packed_v(op, codes, scale, mn, bits, group);
-  check_kernel_device(op, codes, "codes");
-  DLLM_CUDA_GUARD(codes);
+  DLLM_CUDA_ENTER(op, codes, "codes");
   const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
   auto out = at::empty({s.B, s.H, s.T, s.d}, scale.options());
   DLLM_DISPATCH_FLOATING_TYPES(scale.scalar_type(), "dllm::dequantize_v", [&] {
@@ -173,8 +168,7 @@ at::Tensor quant_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes,
   const QuantAttnShape s =
       check_quant_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
                             v_codes, v_scale, v_min, v_bits, v_group, key_valid, scale);
-  check_kernel_device(op, q, "q");
-  DLLM_CUDA_GUARD(q);
+  DLLM_CUDA_ENTER(op, q, "q");
   DLLM_CHECK(s.B <= 65535 && s.H_kv <= 65535 && s.Q * (s.H / s.H_kv) <= INT32_MAX &&
                  s.Q * s.H <= INT32_MAX && s.T <= INT32_MAX,
              op, "sizes too large for one launch (B = ", s.B, ", H_kv = ", s.H_kv, ", Q = ", s.Q,

@@ -544,21 +544,9 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     __syncthreads();
     const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
-#pragma unroll
-    for (int w = 0; w < RW; ++w) {
-      const int rr = warp * RW + w;
-      if (row0 + rr >= n_rows) break;  // warp-uniform
-      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
-      rows.template fold<BK>(w, s, vs, d, lane);
-    }
+    rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
-
-#pragma unroll
-  for (int w = 0; w < RW; ++w) {
-    const int r = row0 + warp * RW + w;
-    if (r >= n_rows) break;
-    rows.store(w, out + attn_row_offset(b, r, Q, H, G, kvh) * d, d, lane);
-  }
+  rows.store_rows(out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [](int, int64_t) {});
 }
 
 // All tensors contiguous. Requires 0 < d <= 256, H % H_kv == 0, T > 0.

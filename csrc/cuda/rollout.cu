@@ -14,8 +14,7 @@ at::Tensor rollout_scores_cuda(const at::Tensor& probs_rows, const at::Tensor& r
                                const at::Tensor& valid) {
   constexpr const char* op = "rollout_scores";
   check_rollout_scores(probs_rows, row_idx, valid);
-  check_kernel_device(op, probs_rows, "probs_rows");
-  DLLM_CUDA_GUARD(probs_rows);
+  DLLM_CUDA_ENTER(op, probs_rows, "probs_rows");
   const int64_t L = probs_rows.size(0), B = probs_rows.size(1), Q = probs_rows.size(2),
                 T = probs_rows.size(3);
   DLLM_CHECK(B <= 65535, op, "B must be <= 65535 (one grid z-slice per batch row), got ", B);
@@ -49,10 +48,9 @@ at::Tensor nucleus_select_cuda(const at::Tensor& scores, const at::Tensor& candi
                                int64_t min_k) {
   constexpr const char* op = "nucleus_select";
   check_nucleus_select(scores, candidate, p, min_k);
-  check_kernel_device(op, scores, "scores");
-  DLLM_CUDA_GUARD(scores);
+  DLLM_CUDA_ENTER(op, scores, "scores");
   const int64_t B = scores.size(0), T = scores.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto sc = scores.contiguous();
   const auto cc = candidate.contiguous();
   auto out = at::empty({B, T}, scores.options().dtype(at::kBool));

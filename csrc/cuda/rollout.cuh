@@ -32,12 +32,6 @@ constexpr int kRolloutRowChunk = 128;    // rows per layer block (coefficients i
 constexpr int kRolloutPrepThreads = 128; // 4 warps = 4 rows per prep block
 constexpr int kRolloutFlatThreads = 256;
 
-__device__ __forceinline__ double warp_sum_double(double v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-
 // Scratch sizes (elements) the caller allocates for launch_rollout_scores.
 struct RolloutScratchSizes {
   int64_t v;        // double: two [B, T] buffers (ping-pong over layers)
@@ -114,7 +108,7 @@ __global__ void rollout_prep_kernel(const T* __restrict__ probs, const int64_t* 
     s += x;
   }
   if (!ok) atomicOr(status, static_cast<int>(math::kRolloutBadProb));
-  s = warp_sum_double(s);
+  s = warp_sum(s);
   if (lane == 0) row_sum[n] = s;
 }
 

@@ -9,13 +9,12 @@ namespace {
 
 at::Tensor cosine_drift_cuda(const at::Tensor& x, const at::Tensor& x_prev) {
   check_cosine_drift(x, x_prev);
-  check_kernel_device("cosine_drift", x, "x");
-  DLLM_CUDA_GUARD(x);
+  DLLM_CUDA_ENTER("cosine_drift", x, "x");
   const auto xc = x.contiguous();
   const auto yc = x_prev.contiguous();
   const int64_t D = x.size(-1);
   const int64_t rows = x.numel() / D;
-  DLLM_CHECK(rows <= INT32_MAX, "cosine_drift", "too many rows (", rows, ") for one launch");
+  check_launch_rows("cosine_drift", rows);
   auto out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   DLLM_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dllm::cosine_drift", [&] {
     cuda::launch_cosine_drift<kernel_t<scalar_t>>(
@@ -36,10 +35,9 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cuda(const at::Tensor& logit
   constexpr const char* op = "token_confidence";
   check_token_confidence(logits, temperature, suppress, noise);
   const int conf_mode = parse_conf_mode(mode);
-  check_kernel_device(op, logits, "logits");
-  DLLM_CUDA_GUARD(logits);
+  DLLM_CUDA_ENTER(op, logits, "logits");
   const int64_t N = logits.size(0), V = logits.size(1);
-  DLLM_CHECK(N <= INT32_MAX, op, "too many rows (", N, ") for one launch");
+  check_launch_rows(op, N);
   const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
   at::Tensor g;
   if (noise) g = noise->stride(1) == 1 ? *noise : noise->contiguous();
@@ -81,10 +79,9 @@ at::Tensor select_transfer_cuda(const at::Tensor& score, const at::Tensor& candi
   constexpr const char* op = "select_transfer";
   const auto rule = parse_transfer_rule(rule_name);
   check_select_transfer(score, candidate, rule, k, threshold, factor);
-  check_kernel_device(op, score, "score");
-  DLLM_CUDA_GUARD(score);
+  DLLM_CUDA_ENTER(op, score, "score");
   const int64_t B = score.size(0), L = score.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto sc = score.contiguous();
   const auto cc = candidate.contiguous();
   at::Tensor kc;
@@ -95,9 +92,10 @@ at::Tensor select_transfer_cuda(const at::Tensor& score, const at::Tensor& candi
   if (rule == math::kRuleFactor) ranks = at::empty({B, L}, score.options().dtype(at::kInt));
   DLLM_DISPATCH_FLOATING_TYPES(score.scalar_type(), "dllm::select_transfer", [&] {
     cuda::launch_select_transfer<kernel_t<scalar_t>>(
-        {.score = kernel_ptr<scalar_t>(sc), .candidate = cc.const_data_ptr<bool>(), .B = B,
-         .L = static_cast<int32_t>(L), .rule = rule, .k = optional_ptr<int64_t>(kc),
-         .threshold = threshold, .factor = factor, .out = out.mutable_data_ptr<bool>(),
+        {.score = {kernel_ptr<scalar_t>(sc), cc.const_data_ptr<bool>(), B,
+                   static_cast<int32_t>(L)},
+         .rule = rule, .k = optional_ptr<int64_t>(kc), .threshold = threshold, .factor = factor,
+         .out = out.mutable_data_ptr<bool>(),
          .rank_scratch = optional_mut_ptr<int32_t>(ranks), .status = status.data()},
         DLLM_CUDA_STREAM());
   });
@@ -112,10 +110,9 @@ at::Tensor certainty_density_cuda(const at::Tensor& decoded, double sigma, bool 
                                   bool right_known) {
   constexpr const char* op = "certainty_density";
   check_certainty_density(decoded, sigma);
-  check_kernel_device(op, decoded, "decoded");
-  DLLM_CUDA_GUARD(decoded);
+  DLLM_CUDA_ENTER(op, decoded, "decoded");
   const int64_t B = decoded.size(0), G = decoded.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto dc = decoded.contiguous();
   auto out = at::empty({B, G}, decoded.options().dtype(at::kFloat));
   cuda::launch_certainty_density(
@@ -128,14 +125,13 @@ at::Tensor certainty_density_cuda(const at::Tensor& decoded, double sigma, bool 
 
 // ---- drift_select / drift_select_threshold ---------------------------------------
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cuda_impl(
-    const char* op, const at::Tensor& drift, const at::Tensor& region, bool by_fraction,
-    double param, int64_t max_recompute) {
+DriftSelectResult drift_select_cuda(const DriftRule& rule, const at::Tensor& drift,
+                                    const at::Tensor& region, int64_t max_recompute) {
+  const char* op = rule.op;
   check_drift_select(op, drift, region, max_recompute);
-  check_kernel_device(op, drift, "drift");
-  DLLM_CUDA_GUARD(drift);
+  DLLM_CUDA_ENTER(op, drift, "drift");
   const int64_t B = drift.size(0), T = drift.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto dc = drift.contiguous();
   const auto rc = region.contiguous();
   auto reuse = at::empty({B, T}, region.options());
@@ -144,8 +140,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cuda_impl(
   StatusWord status(drift);
   DLLM_DISPATCH_FLOATING_TYPES(drift.scalar_type(), "dllm::drift_select", [&] {
     cuda::launch_drift_select<kernel_t<scalar_t>>(
-        {.drift = kernel_ptr<scalar_t>(dc), .region = rc.const_data_ptr<bool>(), .B = B,
-         .T = static_cast<int32_t>(T), .by_fraction = by_fraction, .param = param,
+        {.drift = {kernel_ptr<scalar_t>(dc), rc.const_data_ptr<bool>(), B,
+                   static_cast<int32_t>(T)},
+         .by_fraction = rule.by_fraction, .param = rule.param,
          .max_recompute = static_cast<int32_t>(max_recompute),
          .reuse = reuse.mutable_data_ptr<bool>(), .recompute_idx = idx.mutable_data_ptr<int32_t>(),
          .count = count.mutable_data_ptr<int32_t>(), .status = status.data()},
@@ -156,23 +153,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cuda_impl(
   return {reuse, idx, count};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cuda(const at::Tensor& drift,
-                                                                 const at::Tensor& region,
-                                                                 double reuse_fraction,
-                                                                 int64_t max_recompute) {
-  DLLM_CHECK(reuse_fraction >= 0 && reuse_fraction < 1, "drift_select",
-             "reuse_fraction must be in [0, 1), got ", reuse_fraction);
-  return drift_select_cuda_impl("drift_select", drift, region, true, reuse_fraction,
-                                max_recompute);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_threshold_cuda(
-    const at::Tensor& drift, const at::Tensor& region, double threshold, int64_t max_recompute) {
-  DLLM_CHECK(!std::isnan(threshold), "drift_select_threshold", "threshold must not be NaN");
-  return drift_select_cuda_impl("drift_select_threshold", drift, region, false, threshold,
-                                max_recompute);
-}
-
 }  // namespace
 
 DLLM_CUDA_LIBRARY(m) {
@@ -180,8 +160,8 @@ DLLM_CUDA_LIBRARY(m) {
   DLLM_CUDA_REGISTER(m, "token_confidence", token_confidence_cuda);
   DLLM_CUDA_REGISTER(m, "select_transfer", select_transfer_cuda);
   DLLM_CUDA_REGISTER(m, "certainty_density", certainty_density_cuda);
-  DLLM_CUDA_REGISTER(m, "drift_select", drift_select_cuda);
-  DLLM_CUDA_REGISTER(m, "drift_select_threshold", drift_select_threshold_cuda);
+  DLLM_CUDA_REGISTER(m, "drift_select", drift_select_op<drift_select_cuda>);
+  DLLM_CUDA_REGISTER(m, "drift_select_threshold", drift_select_threshold_op<drift_select_cuda>);
 }
 
 }  // namespace dllm

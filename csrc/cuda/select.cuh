@@ -61,16 +61,8 @@ void launch_cosine_drift(const CosineDriftParams<T>& p, stream_t stream) {
 constexpr int kSelectMaxThreads = 512;
 constexpr int kRankTile = 1024;  // keys staged in shared memory per rank round
 
-__device__ __forceinline__ int warp_sum_int(int v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
 __device__ __forceinline__ int warp_min_int(int v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
-  return v;
+  return warp_allreduce(v, [](int a, int b) { return min(a, b); });
 }
 
 // 64-bit min as two 32-bit shuffles (the high and low words move together).
@@ -85,47 +77,55 @@ __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long v)
   return v;
 }
 
-// Block-wide sum / min; every thread gets the result. `scratch` holds kWarp
-// entries; the leading barrier protects it from a previous call's readers.
-__device__ __forceinline__ int block_sum_int(int v, int* scratch) {
-  v = warp_sum_int(v);
+// Block-wide reductions; every thread gets the result. Each warp's lanes
+// hold its warp-reduced value; block_combine folds the warps' values in warp
+// order, starting from `identity`. `scratch` holds kWarp entries; the leading
+// barrier protects it from a previous call's readers.
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_combine(T warp_value, T* scratch, T identity, Combine combine) {
   __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
+  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = warp_value;
   __syncthreads();
-  int total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) total += scratch[w];
-  return total;
+  T r = identity;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) r = combine(r, scratch[w]);
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+  return block_combine(warp_sum(v), scratch, T(0), [](T a, T b) { return a + b; });
 }
 
 __device__ __forceinline__ int block_min_int(int v, int* scratch) {
-  v = warp_min_int(v);
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
-  __syncthreads();
-  int m = scratch[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) m = min(m, scratch[w]);
-  return m;
+  return block_combine(warp_min_int(v), scratch, INT_MAX, [](int a, int b) { return min(a, b); });
 }
 
 __device__ __forceinline__ unsigned long long block_min_u64(unsigned long long v,
                                                             unsigned long long* scratch) {
-  v = warp_min_u64(v);
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
-  __syncthreads();
-  unsigned long long m = scratch[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) m = scratch[w] < m ? scratch[w] : m;
-  return m;
+  using U = unsigned long long;
+  return block_combine(warp_min_u64(v), scratch, ~U{0}, [](U a, U b) { return b < a ? b : a; });
 }
 
-__device__ __forceinline__ float block_sum_float(float v, float* scratch) {
-  v = warp_sum(v);
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) total += scratch[w];
-  return total;
+// How many of a row's L positions the mask selects, and whether a selected
+// value is NaN; every thread gets both (two block sums).
+struct MaskedCount {
+  int n;
+  bool any_nan;
+};
+
+template <typename T>
+__device__ __forceinline__ MaskedCount block_count_masked(const T* values, const bool* mask,
+                                                          int32_t L, int* scratch) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  int n_local = 0, nan_local = 0;
+  for (int32_t i = tid; i < L; i += nt) {
+    if (!mask[i]) continue;
+    ++n_local;
+    const float v = to_float(values[i]);
+    if (v != v) nan_local = 1;
+  }
+  const int n = block_sum(n_local, scratch);
+  return MaskedCount{n, block_sum(nan_local, scratch) != 0};
 }
 
 // Exclusive prefix sum of one int per thread (in thread order); *total gets
@@ -302,7 +302,7 @@ __global__ void token_confidence_kernel(const T* __restrict__ logits, int64_t ld
       if (xv == -INFINITY) continue;
       math::kahan_add(part, comp, math::neg_entropy_eps_term(xv - total.m, inv_s0, log_eps_s0));
     }
-    eps_sum = block_sum_float(part - comp, warp_part);
+    eps_sum = block_sum(part - comp, warp_part);
   }
   if (tid == 0) {
     const math::NoisyArgmax best = kNoisy ? noisy[0] : math::noisy_argmax_empty();
@@ -376,16 +376,9 @@ __global__ void select_transfer_kernel(const T* __restrict__ score, const bool* 
     return c[i] ? math::descending_key(to_float(s[i]), i) : math::kNoKey;
   };
 
-  int n_local = 0, nan_local = 0;
-  for (int32_t i = tid; i < L; i += nt) {
-    if (!c[i]) continue;
-    ++n_local;
-    const float v = to_float(s[i]);
-    if (v != v) nan_local = 1;
-  }
-  const int n = block_sum_int(n_local, scratch);
-  const int nan = block_sum_int(nan_local, scratch);
-  int fail = nan ? math::kTransferNaN : 0;
+  const MaskedCount members = block_count_masked(s, c, L, scratch);
+  const int n = members.n;
+  int fail = members.any_nan ? math::kTransferNaN : 0;
   if (!fail && rule == math::kRuleTopk && (k[row] < 0 || k[row] > n)) fail = math::kTransferBadK;
   if (fail) {  // uniform over the block
     for (int32_t i = tid; i < L; i += nt) o[i] = false;
@@ -429,12 +422,19 @@ __global__ void select_transfer_kernel(const T* __restrict__ score, const bool* 
   }
 }
 
+// The selection kernels' input: a value per position of B rows of L, and
+// which positions take part; both [B, L], contiguous.
 template <typename T>
-struct SelectTransferParams {
-  const T* score;         // [B, L], contiguous
-  const bool* candidate;  // [B, L], contiguous
+struct MaskedRows {
+  const T* values;
+  const bool* mask;
   int64_t B;
   int32_t L;
+};
+
+template <typename T>
+struct SelectTransferParams {
+  MaskedRows<T> score;    // the scores, masked by the candidates
   int rule;               // math::TransferRule
   const int64_t* k;       // [B] (rule topk), else null
   double threshold, factor;
@@ -445,9 +445,10 @@ struct SelectTransferParams {
 
 template <typename T>
 void launch_select_transfer(const SelectTransferParams<T>& p, stream_t stream) {
-  if (p.B == 0 || p.L == 0) return;
-  DLLM_LAUNCH(select_transfer_kernel<T>, dim3(static_cast<unsigned>(p.B)),
-              dim3(rank_block_threads(p.L)), 0, stream, p.score, p.candidate, p.L, p.rule, p.k,
+  const MaskedRows<T>& s = p.score;
+  if (s.B == 0 || s.L == 0) return;
+  DLLM_LAUNCH(select_transfer_kernel<T>, dim3(static_cast<unsigned>(s.B)),
+              dim3(rank_block_threads(s.L)), 0, stream, s.values, s.mask, s.L, p.rule, p.k,
               p.threshold, p.factor, p.out, p.rank_scratch, p.status);
 }
 
@@ -509,15 +510,9 @@ __global__ void drift_select_kernel(const T* __restrict__ drift, const bool* __r
   int32_t* ix = idx + row * static_cast<int64_t>(max_recompute);
   const int tid = threadIdx.x, nt = blockDim.x;
 
-  int n_local = 0, nan_local = 0;
-  for (int32_t i = tid; i < Tn; i += nt) {
-    if (!r[i]) continue;
-    ++n_local;
-    const float v = to_float(d[i]);
-    if (v != v) nan_local = 1;
-  }
-  const int n = block_sum_int(n_local, scratch);
-  if (block_sum_int(nan_local, scratch)) {  // uniform over the block
+  const MaskedCount members = block_count_masked(d, r, Tn, scratch);
+  const int n = members.n;
+  if (members.any_nan) {  // uniform over the block
     for (int32_t i = tid; i < Tn; i += nt) u[i] = false;
     for (int32_t p = tid; p < max_recompute; p += nt) ix[p] = -1;
     if (tid == 0) {
@@ -558,12 +553,9 @@ __global__ void drift_select_kernel(const T* __restrict__ drift, const bool* __r
   }
 }
 
-template <typename Scalar>
+template <typename T>
 struct DriftSelectParams {
-  const Scalar* drift;     // [B, T], contiguous
-  const bool* region;      // [B, T], contiguous
-  int64_t B;
-  int32_t T;
+  MaskedRows<T> drift;     // the drifts of B rows of T tokens, masked by the region
   bool by_fraction;        // drift_select (param = reuse_fraction), else the threshold variant
   double param;
   int32_t max_recompute;
@@ -575,9 +567,10 @@ struct DriftSelectParams {
 
 template <typename T>
 void launch_drift_select(const DriftSelectParams<T>& p, stream_t stream) {
-  if (p.B == 0) return;
-  DLLM_LAUNCH(drift_select_kernel<T>, dim3(static_cast<unsigned>(p.B)),
-              dim3(rank_block_threads(p.T)), 0, stream, p.drift, p.region, p.T, p.by_fraction,
+  const MaskedRows<T>& d = p.drift;
+  if (d.B == 0) return;
+  DLLM_LAUNCH(drift_select_kernel<T>, dim3(static_cast<unsigned>(d.B)),
+              dim3(rank_block_threads(d.L)), 0, stream, d.values, d.mask, d.L, p.by_fraction,
               p.param, p.max_recompute, p.reuse, p.recompute_idx, p.count, p.status);
 }
 

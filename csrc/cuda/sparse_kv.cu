@@ -54,8 +54,7 @@ void rope_scatter_kv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& idx) {
   constexpr const char* op = "rope_scatter_kv";
   check_rope_scatter_kv(q, k, v, positions, cos_sin, k_cache, v_cache, idx);
-  check_kernel_device(op, q, "q");
-  DLLM_CUDA_GUARD(q);
+  DLLM_CUDA_ENTER(op, q, "q");
   const int64_t B = q.size(0), Q = q.size(1), T = k_cache.size(2), P = cos_sin.size(0);
   DLLM_CHECK(B * Q <= INT32_MAX, op, "too many tokens (", B * Q, ") for one launch");
   const auto pos_c = positions.contiguous();
@@ -85,8 +84,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
                                                          double scale, bool return_probs) {
   constexpr const char* op = "sparse_attention";
   check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
-  check_kernel_device(op, q, "q");
-  DLLM_CUDA_GUARD(q);
+  DLLM_CUDA_ENTER(op, q, "q");
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), d = q.size(3);
   const int64_t H_kv = k_cache.size(1), T = k_cache.size(2);
   check_launch_dims(op, B, Q * (H / H_kv), H_kv);
@@ -132,10 +130,9 @@ void dispatch_element_size(int64_t size, const char* op, F&& f) {
 at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& idx) {
   constexpr const char* op = "gather_rows";
   check_gather_rows(x, idx);
-  check_kernel_device(op, x, "x");
-  DLLM_CUDA_GUARD(x);
+  DLLM_CUDA_ENTER(op, x, "x");
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), Q = idx.size(1);
-  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many rows (", B * Q, ") for one launch");
+  check_launch_rows(op, B * Q);
   const auto idx_c = idx.contiguous();
   auto record = validate_on_device(op, idx_c, nullptr, T, 0, /*unique=*/false);
   auto out = at::empty({B, Q, C}, x.options());
@@ -154,10 +151,9 @@ at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& idx) {
 void scatter_rows_cuda(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& idx) {
   constexpr const char* op = "scatter_rows";
   check_scatter_rows(dst, src, idx);
-  check_kernel_device(op, dst, "dst");
-  DLLM_CUDA_GUARD(dst);
+  DLLM_CUDA_ENTER(op, dst, "dst");
   const int64_t B = dst.size(0), T = dst.size(1), C = dst.size(2), Q = idx.size(1);
-  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many rows (", B * Q, ") for one launch");
+  check_launch_rows(op, B * Q);
   const auto idx_c = idx.contiguous();
   auto record = validate_on_device(op, idx_c, nullptr, T, 0, /*unique=*/true);
   dispatch_element_size(dst.element_size(), op, [&](auto tag) {

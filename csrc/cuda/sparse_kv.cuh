@@ -200,26 +200,14 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     __syncthreads();
     const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
-#pragma unroll
-    for (int w = 0; w < RW; ++w) {
-      const int rr = warp * RW + w;
-      if (row0 + rr >= n_rows) break;  // warp-uniform
-      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
-      rows.template fold<BK>(w, s, vs, d, lane);
-    }
+    rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
-
-#pragma unroll
-  for (int w = 0; w < RW; ++w) {
-    const int r = row0 + warp * RW + w;
-    if (r >= n_rows) break;
-    const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
-    rows.store(w, out + o * d, d, lane);
+  rows.store_rows(out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [&](int w, int64_t o) {
     if (stats && lane == 0) {
       stats[o * 2] = rows.st[w].m;
       stats[o * 2 + 1] = rows.st[w].l;
     }
-  }
+  });
 }
 
 // Head-averaged probabilities, second pass: a block owns 4 queries x 32 keys

@@ -526,7 +526,7 @@ static void test_select_transfer(const char* name, int B, int L, int rule, doubl
   int status = 0;
   const double threshold = 0.6;
   dllm::cuda::launch_select_transfer<T>(
-      {.score = score.data(), .candidate = cand.get(), .B = B, .L = L, .rule = rule,
+      {.score = {score.data(), cand.get(), B, L}, .rule = rule,
        .k = k.data(), .threshold = threshold, .factor = factor, .out = out.get(),
        .rank_scratch = ranks.data(), .status = &status},
       nullptr);
@@ -611,8 +611,8 @@ static void test_drift_select(const char* name, int B, int Tn, bool by_fraction,
   std::vector<int32_t> idx(size_t(B) * max_recompute, -7), count(B, -7);
   int status = 0;
   dllm::cuda::launch_drift_select<T>(
-      {.drift = drift.data(), .region = region.get(), .B = B, .T = Tn,
-       .by_fraction = by_fraction, .param = param, .max_recompute = max_recompute,
+      {.drift = {drift.data(), region.get(), B, Tn}, .by_fraction = by_fraction, .param = param,
+       .max_recompute = max_recompute,
        .reuse = reuse.get(), .recompute_idx = idx.data(), .count = count.data(),
        .status = &status},
       nullptr);
