@@ -31,8 +31,7 @@ def cpu_isa() -> tuple[str, str]:
     """(the instruction set the CPU kernels run now, after DLLM_CPU_ISA; the
     widest this CPU runs), from the built kernels (torch.ops.dllm_cpu.isa)."""
     import dllm_ops  # noqa: F401  (registers the ops)
-    active, best = torch.ops.dllm_cpu.isa()
-    return active, best
+    return tuple(torch.ops.dllm_cpu.isa())
 
 
 def cmd_ops(args) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant.packed import packed_k_groups, packed_k_layout, packed_v_layout
+from .quant.packed import packed_k_groups, packed_k_layout
 
 __all__ = ["cosine_drift"]
 __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
@@ -294,7 +294,7 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> Non
 
 # ---- family: quant -------------------------------------------------------------
 # The numerics of dllm_ops/quant/packed.py, op by op in torch; the outputs take
-# their shapes and dtypes from its packed_k_layout / packed_v_layout. Codes, scales,
+# their shapes and dtypes from its packed_k_layout (V's follow from d // group). Codes, scales,
 # mins and protected indices must equal the kernels' bit for bit: each step is
 # one fp32 torch op (a subtraction, a true division, torch.round = half to
 # even; dequant: a multiply, then an add), in the order the kernels use.
@@ -416,8 +416,7 @@ def k_quant_error(k: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 def quantize_v(v: torch.Tensor, bits: int, group: int):
     """``(codes, scale, min)`` of the packed V cache (``dllm_ops.quant.PackedV``)."""
     B, H, T, d = v.shape
-    n_groups = packed_v_layout(B, H, T, d, bits, group, v.dtype)["scale"].shape[-1]
-    xg = v.float().view(B, H, T, n_groups, group)
+    xg = v.float().view(B, H, T, d // group, group)
     scale, mn = _quant_scale_min(xg.amin(-1), xg.amax(-1), bits, v.dtype)
     codes = _quant_codes(xg, scale[..., None], mn[..., None], bits).view(B, H, T, d)
     packed = _pack(codes.transpose(-1, -2), bits).transpose(-1, -2).contiguous()
