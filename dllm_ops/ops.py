@@ -463,10 +463,13 @@ def quant_attention(q: torch.Tensor, k: PackedK, v: PackedV, key_valid: torch.Te
     """Softmax attention of a block of queries over the packed KV cache.
 
     Equals ``sparse_attention(q, dequantize_k(k), dequantize_v(v), key_valid,
-    scale)[0]``: the kernels dequantize each key/value tile on the fly (CUDA:
-    into shared memory; values rounded to the cache dtype exactly as the
-    dequantize ops produce them, protected tokens from ``prot_val``) and
-    accumulate scores, softmax and output in fp32.
+    scale)[0]``: the kernels dequantize the cache on the fly (values rounded
+    to the cache dtype exactly as the dequantize ops produce them, protected
+    tokens from ``prot_val``) and accumulate scores, softmax and output in
+    fp32. CUDA dequantizes each key/value tile into shared memory. The CPU
+    dequantizes one KV head at a time into cache-dtype scratch that stays in
+    cache and runs ``sparse_attention``'s own tile over it, so there the
+    equality is bit for bit.
 
     Args:
         q: ``[B, Q, H, d]`` (RoPE-rotated) in the cache dtype; ``H`` a multiple

@@ -324,6 +324,19 @@ def test_quantize_v_matches_reference(backend, dtype, bits):
         assert torch.equal(deq[0, 0, 0, :G], v[0, 0, 0, :G]) or "strided" in label  # constant group
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_quant_cpu_narrow_isa(monkeypatch, isa):
+    """The CPU row loops of the family are compiled per instruction set
+    (csrc/cpu/quant_kernels.h) and each copy gives the oracle's bits: the
+    widest runs by default, DLLM_CPU_ISA caps it to put the others through the
+    same exact checks."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    for dtype in DTYPES:
+        for bits in BITS:
+            test_quantize_k_matches_reference("cpu", dtype, bits)
+            test_quantize_v_matches_reference("cpu", dtype, bits)
+
+
 # ---- quant_attention ------------------------------------------------------------------
 
 # (B, Q, H, H_kv, T, d, k_bits, v_bits, k_group, v_group, p): GQA ratios 1, 2
@@ -390,6 +403,23 @@ def test_quant_attention_equals_sparse_attention_on_dequantized_cache(backend, d
                                    msg=lambda m: f"{label} vs float64: {m}")
         if valid is not None and not valid.any(1).all():
             assert torch.all(out[~valid.any(1)] == 0), label
+
+
+@pytest.mark.parametrize("isa", [None, "generic", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quant_attention_cpu_is_sparse_attention_on_the_dequantized_cache(monkeypatch, isa, dtype):
+    """On the CPU both ops run the same attention tile (csrc/cpu/attention.h),
+    quant_attention over the K and V it dequantizes: it equals sparse_attention
+    over dequantize_k / dequantize_v bit for bit, in every instruction-set copy."""
+    if isa is not None:
+        monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    f, sparse = op("cpu", "quant_attention"), op("cpu", "sparse_attention")
+    for q, pk, pv, valid, scale, label in attention_inputs(dtype, seed=4):
+        out = f(q, *_attn_args(pk, pv), valid, scale)
+        kc = op("cpu", "dequantize_k")(*pk.tensors(), pk.bits, pk.group, pk.length)
+        vc = op("cpu", "dequantize_v")(*pv.tensors(), pv.bits, pv.group)
+        want = sparse(q, kc, vc, valid, scale, False)[0]
+        assert torch.equal(out, want), f"{label}: differs by {(out.float() - want.float()).abs().max()}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
