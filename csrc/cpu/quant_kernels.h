@@ -7,17 +7,11 @@
 // - dequantization rounds the product code * scale, then the sum with the
 //   min, one at a time (math::dequant_value). With FMA, GCC fuses such a pair
 //   (it even turns dequant_value's double-precision steps back into fp32
-//   ones), so dequant_row computes the product as a vector and passes it
-//   through an empty asm statement, which GCC cannot see through, before the
-//   sum.
+//   ones), so dequant_row stores the products and loads them back across
+//   an empty asm statement GCC cannot see through before adding.
 // Loads and stores of the cache dtype go through cpu::Elem (cpu/elem.h). The
 // loops are DLLM_CPU_NOINLINE: inlined into a generic caller, GCC loses their
 // restrict guarantees and keeps them scalar.
-
-constexpr int kVec = DLLM_VEC_FLOATS;
-typedef float vf __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
-typedef int32_t vi __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
-typedef uint8_t vu8 __attribute__((vector_size(DLLM_VEC_FLOATS)));
 
 // Codes of one token row OR-ed into its byte row at bit `shift`, under the
 // per-channel stored scale / min sf[c], mf[c].
@@ -43,34 +37,21 @@ DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
 }
 
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
-// per-element stored scale / min sf[c], mf[c], rounded to T.
+// per-element stored scale / min sf[c], mf[c], rounded to T. Two plain loops
+// that GCC vectorizes, the products stored in between: the empty asm, which
+// is given their address and clobbers memory, makes GCC load them back, so
+// no copy can fuse a product with its sum into an FMA.
 template <typename T>
 DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
                                    const float* __restrict__ mf, T* o_, int64_t d, int shift,
                                    uint32_t mask) {
   using E = cpu::Elem<T>;
   auto* __restrict__ o = reinterpret_cast<typename E::Bits*>(o_);
-  float val[math::kQuantMaxHeadDim];
-  const vi vmask = vi{} + static_cast<int32_t>(mask);
-  int64_t c = 0;
-  for (; c + kVec <= d; c += kVec) {
-    vu8 bytes;
-    vf scale, mn;
-    std::memcpy(&bytes, crow + c, sizeof(bytes));
-    std::memcpy(&scale, sf + c, sizeof(scale));
-    std::memcpy(&mn, mf + c, sizeof(mn));
-    const vi code = (__builtin_convertvector(bytes, vi) >> shift) & vmask;
-    vf prod = __builtin_convertvector(code, vf) * scale;
-    asm("" : "+x"(prod));  // the product is rounded on its own: no FMA with the sum
-    const vf x = prod + mn;
-    std::memcpy(val + c, &x, sizeof(x));
-  }
-  for (; c < d; ++c) {  // the same two roundings, one element at a time
-    float prod = static_cast<float>(static_cast<int32_t>((crow[c] >> shift) & mask)) * sf[c];
-    asm("" : "+x"(prod));
-    val[c] = prod + mf[c];
-  }
-  for (c = 0; c < d; ++c) o[c] = E::store(val[c]);
+  float prod[math::kQuantMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c)
+    prod[c] = static_cast<float>(static_cast<int32_t>((crow[c] >> shift) & mask)) * sf[c];
+  asm volatile("" : : "r"(prod) : "memory");
+  for (int64_t c = 0; c < d; ++c) o[c] = E::store(prod[c] + mf[c]);
 }
 
 // The codes of a packed V row, one per byte: byte rb holds the codes of
