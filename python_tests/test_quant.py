@@ -441,7 +441,7 @@ def test_quant_attention_split_kv_equals_sparse_attention_on_dequantized_cache(
 def _packed_attention_args(g, B, Q, H, H_kv, T, d, p=2, G=32):
     k, v = torch.randn(B, H_kv, T, d, generator=g), torch.randn(B, H_kv, T, d, generator=g)
     pk = PackedK(*reference.quantize_k(k, 2, G, p, k.abs().amax(-1)[:, 0]), 2, G, T)
-    pv = PackedV(*reference.quantize_v(v, 4, 32), 4, 32)
+    pv = PackedV(*reference.quantize_v(v, 4, min(32, d)), 4, min(32, d))
     return torch.randn(B, Q, H, d, generator=g), pk, pv
 
 

@@ -252,7 +252,7 @@ def _check_attention_cases(f, backend, cases, return_probs):
         out, probs = f(*to(backend, q, kc, vc, valid), scale, return_probs)
         want_out, want_probs = reference.sparse_attention(q, kc, vc, valid, scale, return_probs)
         msg = lambda m: f"{label}: {m}"  # noqa: E731
-        assert out.dtype == dtype and out.shape == q.shape, label
+        assert out.dtype == q.dtype and out.shape == q.shape, label
         out64, bound = attention_error_bound(backend, q, kc, vc, valid, scale)
         assert_within(out.cpu(), out64, bound, label)
         assert probs.dtype == torch.float32, label
