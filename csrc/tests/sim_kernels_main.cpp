@@ -914,7 +914,8 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
       size_t(dllm::cuda::attention_split_workspace_floats(2, int64_t(B) * Q * Hq, d)), NAN);
   const q::QuantAttentionParams<T> attn{.q = qv.data(), .k = pk, .v = pvv, .key_valid = valid,
                                          .scale = sc, .out = out.data(), .status = &status,
-                                         .B = B, .Q = Q, .H = Hq, .H_kv = H, .T = Tn, .d = d};
+                                         .B = B, .Q = Q, .H = Hq, .H_kv = H, .T = Tn, .d = d,
+                                         .key_splits = 1, .split_workspace = nullptr};
   const q::QuantAttentionParams<T> split_attn = [&] {
     q::QuantAttentionParams<T> p2 = attn;
     p2.key_splits = 2;
