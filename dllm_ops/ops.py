@@ -338,10 +338,9 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         A batch row with no valid key at all has ``out == 0`` and
         ``probs_mean == 0`` for every query (rather than NaN).
 
-    CUDA, split-KV: a block of the kernel owns one KV head's tile of 16 query
-    rows (``Q * G`` rows per KV head; 8 rows for ``d > 128``) and streams all T
-    keys, so the grid has ``B * H_kv * ceil(Q * G / 16)`` blocks however long T
-    is. Where that is under ``2 * SMs`` (two resident blocks per SM, so one
+    CUDA, split-KV: a block of the kernel owns a tile of 16 of the ``Q * G``
+    query rows of one KV head (8 for ``d > 128``) and streams all T keys, so
+    the grid has ``B * H_kv * ceil(Q * G / 16)`` blocks however long T is. Where that is under ``2 * SMs`` (two resident blocks per SM, so one
     computes while the other waits for its next K/V tile), the keys are cut
     into chunks as flash-decoding does: each block folds one chunk and parks
     its (max, sum, unnormalised fp32 output), and a combine kernel merges the
@@ -374,6 +373,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     between a batched and a single call. ``DLLM_ATTN_SM_COUNT`` (run time)
     overrides the SM count the rule plans for (0: never split); the
     simulated kernels (``torch.ops.dllm_sim``) plan for 0 SMs unless it is set.
+    Nothing of this was timed (no GPU at hand): the target of two blocks per
+    SM and the 128-key floor are the reasoning above, to be tuned on a device.
     """
     # Not routed to torch SDPA when return_probs is False. Measured on this
     # project's 2-core Sapphire Rapids CPU (AMX), LLaDA-8B layer H=32, d=128,
