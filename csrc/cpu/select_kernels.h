@@ -1,4 +1,4 @@
-// CPU row kernels of token_confidence, compiled once per instruction set
+// CPU row kernels of token_confidence and cosine_drift, compiled once per instruction set
 // (cpu/isa.h: csrc/cpu/select.cpp includes this header through isa.h, inside
 // namespaces isa_generic / isa_avx2 / isa_avx512, with DLLM_VEC_FLOATS floats
 // per vector: 4 for SSE2, 8 for AVX2, 16 for AVX-512). No include guard.
