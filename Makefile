@@ -55,8 +55,9 @@ test-slow: build
 CMAKE_DIR := build/cmake
 ctest: venv
 	scripts/cmake_configure.sh $(VPY) $(CMAKE_DIR)
-	# The op library itself is built (instrumented) by `sanitize`; here only the tests.
-	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS) --target test_dllm_math test_sim_kernels
+	# The op library itself is built (instrumented) by `sanitize`; here only the tests
+	# and the torch-free header check (CMakeLists.txt).
+	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS) --target test_dllm_math test_sim_kernels torch_free_headers
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure
 
 # Sanitizers: TSan over the simulator's threads engine and ASan/UBSan over the

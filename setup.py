@@ -87,6 +87,15 @@ setup(
     name="dllm_ops",
     version="0.1.0",
     description="Fast diffusion-LLM inference kernels for PyTorch (d2Cache, DARE, dLLM-KVQ)",
+    # SPDX id in `license`, the text in LICENSE. No "License ::" classifier:
+    # setuptools >= 77 deprecates those in favour of an SPDX expression (PEP 639).
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: C++",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=find_packages(include=["dllm_ops", "dllm_ops.*", "bench", "bench.*"]),
     # The shipped tiny models (weights, tokenizer, training log).
     package_data={"dllm_ops": ["checkpoints/*/*"]},

@@ -1,17 +1,19 @@
 """dllm_ops benchmarks.
 
-  python -m bench ops [--op NAME] [--device cpu|cuda] [--dtype bf16 ...] [--csv FILE]
+  python -m bench ops [--op NAME] [--device cpu|cuda] [--dtype bf16 ...] [--threads N] [--csv FILE]
   python -m bench decode --model PATH|NAME | --synthetic llada-8b --layers 4   (bench/decode.py)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
 bandwidth (also measured in this run) and the baseline-time / kernel-time
-speed-up.
+speed-up. On the CPU it also reports the instruction set the kernels run
+(csrc/cpu/isa.h; DLLM_CPU_ISA=generic|avx2|avx512 caps it).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 
 import torch
@@ -23,6 +25,13 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
 def _fmt_row(r):
     return (f"{r['op']:<18} {r['shape']:<22} {r['dtype']:<9} {r['impl']:<12} "
             f"{r['median_us']:>11.1f} {r['GB/s']:>8.2f} {r['%copy']:>7.1f} {r['speedup']:>8.2f}")
+
+
+def cpu_isa() -> tuple[str, str]:
+    """(the instruction set the CPU kernels run now, after DLLM_CPU_ISA; the
+    widest this CPU runs), from the built kernels (torch.ops.dllm_cpu.isa)."""
+    import dllm_ops  # noqa: F401  (registers the ops)
+    return tuple(torch.ops.dllm_cpu.isa())
 
 
 def cmd_ops(args) -> int:
@@ -38,8 +47,16 @@ def cmd_ops(args) -> int:
     if not cases:
         print(f"bench ops: no case matches --op {args.op}", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     copy_bw = copy_bandwidth(device)
-    print(f"device={device} threads={torch.get_num_threads()} copy bandwidth={copy_bw / 1e9:.2f} GB/s")
+    isa = ""
+    if device.type == "cpu":
+        active, best = cpu_isa()
+        cap = os.environ.get("DLLM_CPU_ISA")
+        isa = f" cpu_isa={active}" + (f" (DLLM_CPU_ISA={cap}, widest here {best})" if cap else "")
+    print(f"device={device} threads={torch.get_num_threads()}{isa} "
+          f"copy bandwidth={copy_bw / 1e9:.2f} GB/s")
     header = (f"{'op':<18} {'shape':<22} {'dtype':<9} {'impl':<12} {'median_us':>11} "
               f"{'GB/s':>8} {'%copy':>7} {'speedup':>8}")
     print(header)
@@ -57,7 +74,7 @@ def cmd_ops(args) -> int:
                 r = dict(op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""),
                          impl=impl, median_us=t * 1e6, **{"GB/s": nbytes / t / 1e9},
                          **{"%copy": 100 * nbytes / t / copy_bw}, speedup=t / t_kernel,
-                         device=str(device), copy_GBps=copy_bw / 1e9)
+                         device=str(device), copy_GBps=copy_bw / 1e9, cpu_isa=isa.strip())
                 rows.append(r)
                 print(_fmt_row(r), flush=True)
     print("speedup = impl time / dllm time (>1 means the baseline is slower); "
@@ -77,6 +94,7 @@ def main(argv=None) -> int:
     po.add_argument("--op", nargs="+", help="only these ops")
     po.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     po.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
+    po.add_argument("--threads", type=int, help="torch threads for the run (default: torch's)")
     po.add_argument("--csv", help="also write the rows to this CSV file")
     po.set_defaults(func=cmd_ops)
     from bench.decode import add_parser as add_decode

@@ -5,6 +5,8 @@ FakeTensorMode can trace through the ops without running them.
 """
 import torch
 
+from .quant.packed import empty_packed, packed_k_layout, packed_v_layout
+
 
 @torch.library.register_fake("dllm::cosine_drift")
 def _cosine_drift_fake(x, x_prev):
@@ -112,8 +114,7 @@ def _scatter_rows_fake(dst, src, idx):
 # ---- family: quant -------------------------------------------------------------
 
 
-def _quant_n_groups(T, group):
-    return (T + group - 1) // group
+# The packed tensors' shapes and dtypes: dllm_ops/quant/packed.py states them.
 
 
 @torch.library.register_fake("dllm::quantize_k")
@@ -121,11 +122,7 @@ def _quantize_k_fake(k, bits=4, group=32, protect_p=0, importance=None):
     torch._check(k.dim() == 4, lambda: "dllm::quantize_k: k must have 4 dims")
     torch._check(bits in (2, 4), lambda: "dllm::quantize_k: bits must be 2 or 4")
     B, H, T, d = k.shape
-    n = _quant_n_groups(T, group)
-    u8 = torch.uint8
-    return (k.new_empty((B, H, n * group * bits // 8, d), dtype=u8), k.new_empty((B, H, n, d)),
-            k.new_empty((B, H, n, d)), k.new_empty((B, H, n, protect_p), dtype=u8),
-            k.new_empty((B, H, n, protect_p, d)))
+    return empty_packed(packed_k_layout(B, H, T, d, bits, group, protect_p, k.dtype), k)
 
 
 @torch.library.register_fake("dllm::dequantize_k")
@@ -148,8 +145,7 @@ def _quantize_v_fake(v, bits=4, group=32):
     torch._check(bits in (2, 4), lambda: "dllm::quantize_v: bits must be 2 or 4")
     B, H, T, d = v.shape
     torch._check(d % group == 0, lambda: "dllm::quantize_v: head_dim must be a multiple of group")
-    return (v.new_empty((B, H, T, d * bits // 8), dtype=torch.uint8),
-            v.new_empty((B, H, T, d // group)), v.new_empty((B, H, T, d // group)))
+    return empty_packed(packed_v_layout(B, H, T, d, bits, group, v.dtype), v)
 
 
 @torch.library.register_fake("dllm::dequantize_v")

@@ -8,7 +8,7 @@ last head-0 query per layer, the cached attention outputs (DARE-O), the
 per-layer reuse allocation, and the statistics. The model only asks
 `select(layer, q0, idx)` which rows recompute.
 
-The contract (the project's design notes, "Methods as this project defines them"), and
+The contract (docs/design.md, "DARE"), and
 the choices made where the DARE text (whose method section is not available
 past the drift score) is silent:
 

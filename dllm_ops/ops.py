@@ -156,7 +156,7 @@ def certainty_density(decoded: torch.Tensor, sigma: float = 10.0, left_known: bo
     ``right_known=True`` says the tokens after the region are decoded.
 
     The sum is direct over ``|i - j| <= ceil(6.5 sigma)`` in float64; the
-    dropped tail is below 3e-10 of D (bound in ``csrc/common/select_math.h``).
+    dropped tail is below 3e-10 of D (bound in ``csrc/math/select_math.h``).
 
     Args:
         decoded: ``[B, G]`` bool, True = decoded token, False = mask.

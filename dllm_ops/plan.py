@@ -2,7 +2,7 @@
 
 Every cache method is a rule for which tokens are recomputed this step; the
 model runs only the tokens a StepPlan names and every other token keeps what
-the cache holds (DESIGN.md, "One idea carries the decode loop").
+the cache holds (docs/design.md, "The StepPlan: one idea carries the decode loop").
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant.packed import packed_k_groups, packed_k_layout
+
 __all__ = ["cosine_drift"]
 __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
             "drift_select_threshold"]  # family: select
@@ -291,7 +293,8 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> Non
 
 
 # ---- family: quant -------------------------------------------------------------
-# The numerics of dllm_ops/quant/packed.py, op by op in torch. Codes, scales,
+# The numerics of dllm_ops/quant/packed.py, op by op in torch; the outputs take
+# their shapes and dtypes from its packed_k_layout (V's follow from d // group). Codes, scales,
 # mins and protected indices must equal the kernels' bit for bit: each step is
 # one fp32 torch op (a subtraction, a true division, torch.round = half to
 # even; dequant: a multiply, then an add), in the order the kernels use.
@@ -347,7 +350,8 @@ def quantize_k(k: torch.Tensor, bits: int, group: int, protect_p: int,
     (layout: ``dllm_ops.quant.PackedK``). No checks (the oracle trusts its input)."""
     B, H, T, d = k.shape
     G, p = group, protect_p
-    n = (T + G - 1) // G
+    layout = packed_k_layout(B, H, T, d, bits, G, p, k.dtype)
+    n = packed_k_groups(T, G)
     Tp = n * G
     dev = k.device
     x = torch.zeros(B, H, Tp, d, dtype=torch.float32, device=dev)
@@ -355,8 +359,8 @@ def quantize_k(k: torch.Tensor, bits: int, group: int, protect_p: int,
     xg = x.view(B, H, n, G, d)
     real = (torch.arange(Tp, device=dev) < T).view(n, G).expand(B, H, n, G)
     prot = torch.zeros(B, H, n, G, dtype=torch.bool, device=dev)
-    prot_idx = torch.full((B, H, n, p), 255, dtype=torch.uint8, device=dev)
-    prot_val = torch.zeros(B, H, n, p, d, dtype=k.dtype, device=dev)
+    prot_idx = torch.full(layout["prot_idx"].shape, 255, dtype=layout["prot_idx"].dtype, device=dev)
+    prot_val = torch.zeros(layout["prot_val"].shape, dtype=layout["prot_val"].dtype, device=dev)
     if p > 0:
         imp = importance.float()
         if imp.dim() == 2:

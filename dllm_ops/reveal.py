@@ -1,6 +1,7 @@
 """Reveal rules: which of a call's masked candidates are committed.
 
-DESIGN.md's fourth independent choice of a decode step. A rule sees the
+The fourth independent choice of a decode step (docs/design.md, "Four
+independent choices make one step"). A rule sees the
 per-position score of the current block's candidates (``[B, n]``, from
 ``dllm.token_confidence``) and returns the ``[B, n]`` commit mask. Rules are
 registered by name, keyed by LLaDA's ``unmask`` and Dream's ``alg``

@@ -5,7 +5,8 @@ the stored K/V of tokens not run), d²Cache's rollout as the dense product of
 T×T matrices ``R ← Ã_l·R`` from ``R₀ = I``, the certainty density by FFT, and
 the selection rules written out with Python lists. It implements the method as
 d²Cache's public reference code runs it, with that code's two bugs fixed
-and the project's choices (dllm_ops/policies/d2cache.py's docstring):
+and the project's choices (dllm_ops/policies/d2cache.py's docstring;
+docs/design.md, "d²Cache"):
 
 - first call a full forward; later calls run stage 1 ∪ revealed ∪ stage 2;
 - the confidence cache (max probability, mask excluded) is refreshed by every

@@ -8,7 +8,7 @@ run take their K/V from the cache, as in ref_model.dense_logits. The decode
 loops (LLaDA's top-k / threshold, Dream's block loop and own schedule with
 maskgit_plus / confidence_threshold, greedy) are written out here.
 
-The DARE rules, as the project's contract and dllm_ops/dare.py state them:
+The DARE rules, as docs/design.md ("DARE") and dllm_ops/dare.py state them:
 drift 1 - cos of pre-RoPE head-0 queries against the token's query at its
 previous run in that layer, drifts below 1e-5 count as 0, tokens never run
 before always recompute; rho mode splits rho over layers by the previous

@@ -17,7 +17,7 @@ import dllm_ops
 from dllm_ops import reference
 from dllm_ops.quant import (PackedK, PackedV, effective_bits, effective_bits_formula,
                             effective_bits_table)
-from backends import BACKENDS, op, to
+from backends import BACKENDS, op, require, to
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = [2, 4]
@@ -670,3 +670,22 @@ def test_quant_attention_bad_input(backend, make, msg):
     f = op(backend, "quant_attention")
     with pytest.raises(RuntimeError, match=rf"dllm::quant_attention: .*{msg}"):
         f(*to(backend, *make()))
+
+
+def test_quant_ops_under_cuda_graph_capture():
+    """Under CUDA graph capture the status word is not read back (it would
+    sync; csrc/aten/cuda_glue.h KernelStatus): the ops capture and replay to
+    the eager results."""
+    require("cuda")
+    g = _gen(31)
+    k = torch.randn(1, 2, 40, 64, generator=g).cuda()
+    eager = dllm_ops.quantize_v(k, 4, 32)
+    torch.ops.dllm.quantize_v(k, 4, 32)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dllm.quantize_v(k, 4, 32)
+        deq = torch.ops.dllm.dequantize_v(*captured, 4, 32)
+    graph.replay()
+    for a, b in zip(captured, eager.tensors()):
+        assert torch.equal(a, b)
+    assert torch.equal(deq, dllm_ops.dequantize_v(eager))

@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 import dllm_ops
 from dllm_ops import reference
-from backends import BACKENDS, op, to
+from backends import BACKENDS, op, require, to
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -326,3 +326,21 @@ def test_rollout_family_cuda_kernels_registered_in_build(name):
     if torch.version.cuda is None or find_cuda_home() is None or os.environ.get("DLLM_FORCE_CPU") == "1":
         pytest.skip("CPU-only build expected here")
     assert dllm_ops.has_cuda_kernels(name)
+
+
+def test_rollout_ops_under_cuda_graph_capture():
+    """Under CUDA graph capture the status word is not read back (it would
+    sync; csrc/aten/cuda_glue.h KernelStatus): the ops capture and replay to
+    the eager results."""
+    require("cuda")
+    probs, idx, valid, _ = list(rollout_inputs(torch.float32, seed=3))[1]  # "random row sets"
+    probs, idx, valid = probs.cuda(), idx.cuda(), valid.cuda()
+    eager = torch.ops.dllm.rollout_scores(probs, idx, valid)
+    cand = valid.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scores = torch.ops.dllm.rollout_scores(probs, idx, valid)
+        keep = torch.ops.dllm.nucleus_select(scores, cand, 0.5, 1)
+    graph.replay()
+    assert torch.equal(scores, eager)
+    assert torch.equal(keep, torch.ops.dllm.nucleus_select(eager, cand, 0.5, 1))

@@ -1,8 +1,10 @@
-"""Every `dllm` op is complete: a CPU kernel, a CUDA kernel (when the build has
-CUDA), a simulated CUDA kernel, a fake kernel, a typed wrapper, a reference
-oracle and a bench case; and the schemas' defaults equal the wrappers'."""
+"""Every `dllm` op is complete -- each place docs/adding-an-op.md lists for a
+new op is there -- and the schemas' defaults equal the wrappers' and the fake
+kernels'."""
+import glob
 import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -19,6 +21,40 @@ def dllm_schemas() -> dict:
             if s.name.startswith("dllm::")}
 
 
+def _read(*parts) -> str:
+    path = os.path.join(ROOT, *parts)
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def op_families() -> dict:
+    """{op: family} from the `// ---- family: <name>` blocks of csrc/ops.cpp."""
+    families, family = {}, None
+    for line in _read("csrc", "ops.cpp").splitlines():
+        m = re.search(r"// -+ family: (\w+)", line)
+        if m:
+            family = m.group(1)
+        m = re.search(r'm\.def\("(\w+)\(', line)
+        if m:
+            families[m.group(1)] = family
+    return families
+
+
+def readme_op_families() -> dict:
+    """{op: family} from README.md's op table: every `dllm.<op>(` in a row,
+    with that row's family column."""
+    families = {}
+    for line in _read("README.md").splitlines():
+        cells = line.split("|")
+        if not line.startswith("|") or len(cells) < 4:
+            continue
+        for name in re.findall(r"dllm\.(\w+)\(", line):
+            families.setdefault(name, cells[2].strip())
+    return families
+
+
 def test_the_library_defines_the_documented_ops():
     # The wrapper module's __all__ lists every op (plus has_cuda_kernels).
     assert set(dllm_schemas()) == set(ops.__all__) - {"has_cuda_kernels"}
@@ -31,32 +67,83 @@ def _built_with_cuda() -> bool:
 
 
 def test_every_op_is_complete():
+    """One check per place of docs/adding-an-op.md's checklist (the schema's
+    defaults, the fake kernel's signature and the cross-device cases are
+    checked by the tests below and by test_edges.py)."""
     from torch._library.simple_registry import singleton
 
     sys.path.insert(0, ROOT)
     from bench.cases import CASES
     from backends import require
     require("sim")
-    bench_ops = {c.op for c in CASES}
+    bench_modules = {}  # op -> the bench/cases modules that register its cases
+    for case in CASES:
+        bench_modules.setdefault(case.op, set()).add(case.make.__module__)
     with_cuda = _built_with_cuda()
     if os.environ.get("DLLM_REQUIRE_CUDA") == "1":
         assert with_cuda, "make gpu-check: this _C has no CUDA kernels"
+    families = op_families()
+    documented = readme_op_families()
+    tests = {os.path.basename(p): _read(p) for p in glob.glob(os.path.join(ROOT, "python_tests", "test_*.py"))
+             if not p.endswith("test_schemas.py")}
     missing = []
     for name in sorted(dllm_schemas()):
         qual = f"dllm::{name}"
+        fam = families.get(name)
         checks = {
-            "CPU kernel": torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CPU"),
+            "family block in csrc/ops.cpp": fam is not None,
+            f"math header csrc/math/{fam}_math.h": os.path.exists(
+                os.path.join(ROOT, "csrc", "math", f"{fam}_math.h")),
+            f"checks header csrc/aten/{fam}_checks.h": os.path.exists(
+                os.path.join(ROOT, "csrc", "aten", f"{fam}_checks.h")),
+            f"CPU kernel registered in csrc/cpu/{fam}.cpp": f'm.impl("{name}"' in _read(
+                "csrc", "cpu", f"{fam}.cpp"),
+            "CPU kernel (dispatcher)": torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CPU"),
+            f"CUDA kernel header csrc/cuda/{fam}.cuh": os.path.exists(
+                os.path.join(ROOT, "csrc", "cuda", f"{fam}.cuh")),
+            f"CUDA kernel registered in csrc/cuda/{fam}.cu": f'DLLM_CUDA_REGISTER(m, "{name}"' in _read(
+                "csrc", "cuda", f"{fam}.cu"),
             "simulated CUDA kernel (torch.ops.dllm_sim)": hasattr(torch.ops.dllm_sim, name),
             "fake kernel (dllm_ops/_fake.py)": singleton.find(qual).fake_impl.kernel is not None,
             "wrapper (dllm_ops.ops)": callable(getattr(ops, name, None)),
             "exported (dllm_ops.<op>)": getattr(dllm_ops, name, None) is getattr(ops, name, None),
             "oracle (dllm_ops.reference)": callable(getattr(reference, name, None)),
-            "bench case (bench/cases)": name in bench_ops,
+            f"bench case (bench/cases/{fam}.py)": bench_modules.get(name) == {f"bench.cases.{fam}"},
+            "tests on every backend (a python_tests/test_*.py naming it, with BACKENDS)": any(
+                f'"{name}"' in text and "BACKENDS" in text for text in tests.values()),
+            "opcheck (python_tests: fake kernel vs the real one)": any(
+                f"opcheck(torch.ops.dllm.{name}.default" in text for text in tests.values()),
+            "README.md op table row with its family": documented.get(name) == fam,
         }
         if with_cuda:
             checks["CUDA kernel in _C"] = torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA")
         missing += [f"{name}: no {what}" for what, ok in checks.items() if not ok]
     assert not missing, "\n".join(missing)
+
+
+def test_every_kernel_launch_runs_in_the_simulator_driver():
+    """Each launch_* of csrc/cuda/*.cuh is called by the torch-free driver
+    (csrc/tests/sim_kernels_main.cpp), which the sanitizers run."""
+    driver = _read("csrc", "tests", "sim_kernels_main.cpp")
+    launches = set()
+    for path in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cuh")):
+        # The public entry points take one <Op>Params struct (per-instantiation
+        # helpers such as launch_sparse_attention_d take it too but end in _d / _t).
+        launches |= set(re.findall(r"\bvoid (launch_\w+)\(const \w+Params", _read(path)))
+    launches = {n for n in launches if not re.search(r"_(d|t)$", n)}
+    assert launches, "no launch_* found in csrc/cuda/*.cuh"
+    missing = sorted(n for n in launches if not re.search(rf"\b{n}\b", driver))
+    assert not missing, f"not run by csrc/tests/sim_kernels_main.cpp: {missing}"
+
+
+def test_the_op_checklist_names_every_place():
+    """docs/adding-an-op.md names each place test_every_op_is_complete checks."""
+    doc = _read("docs", "adding-an-op.md")
+    for place in ["csrc/ops.cpp", "csrc/math/", "csrc/aten/", "csrc/cpu/", "csrc/cuda/",
+                  "csrc/tests/sim_kernels_main.cpp", "dllm_ops/_fake.py", "dllm_ops/ops.py",
+                  "dllm_ops/__init__.py", "dllm_ops/reference.py", "bench/cases/", "python_tests/",
+                  "opcheck", "README.md", "test_schemas.py", "test_edges.py"]:
+        assert place in doc, f"docs/adding-an-op.md does not mention {place}"
 
 
 def _schema_default(arg):

@@ -145,6 +145,27 @@ def test_token_confidence_cpu_narrow_isa(monkeypatch, isa):
         _check_confidence("cpu", logits, "neg_entropy", 0.0, suppress, None, f"{isa} {label}")
 
 
+def test_cpu_isa_is_reported_and_a_bad_cap_is_an_error(monkeypatch):
+    """torch.ops.dllm_cpu.isa() reports (the copy the CPU kernels run, the
+    widest this CPU has); DLLM_CPU_ISA caps the first and a value it does not
+    know is a clear error of the op that reads it, not a silent fallback."""
+    import dllm_ops  # noqa: F401  (registers the ops)
+    order = ["generic", "avx2", "avx512"]
+    monkeypatch.delenv("DLLM_CPU_ISA", raising=False)
+    active, best = torch.ops.dllm_cpu.isa()
+    assert best in order and active == best
+    for cap in order:
+        monkeypatch.setenv("DLLM_CPU_ISA", cap)
+        assert torch.ops.dllm_cpu.isa() == (order[min(order.index(cap), order.index(best))], best)
+    monkeypatch.setenv("DLLM_CPU_ISA", "avx9")
+    for name, args in [("token_confidence", (torch.randn(2, 5),)),
+                       ("sparse_attention", (torch.randn(1, 1, 1, 8), torch.randn(1, 1, 3, 8),
+                                             torch.randn(1, 1, 3, 8), None, 1.0))]:
+        with pytest.raises(RuntimeError, match=f"dllm::{name}: DLLM_CPU_ISA must be generic, "
+                                               "avx2 or avx512"):
+            getattr(torch.ops.dllm, name)(*args)
+
+
 def test_gumbel_argmax_is_llada_add_gumbel_noise():
     """argmax(l/T + g) with g = -log(-log U) picks LLaDA's
     argmax(exp(l) / (-log U)^T) token (computed here as LLaDA writes it)."""

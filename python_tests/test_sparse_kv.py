@@ -10,7 +10,7 @@ from torch.library import opcheck
 import dllm_ops
 from dllm_ops import reference
 from dllm_ops.rope import rope_cos_sin
-from backends import BACKENDS, op, to
+from backends import BACKENDS, op, require, to
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Element-wise RoPE: fp32 math rounded once, so one ulp of the dtype.
@@ -250,6 +250,17 @@ def test_sparse_attention_matches_reference(backend, dtype, return_probs):
         assert probs.shape == (q.shape[0], q.shape[1], kc.shape[2]), label
         torch.testing.assert_close(probs.cpu(), want_probs, **PROBS_TOL, msg=msg)
         _check_probs_properties(probs.cpu(), valid, label)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_sparse_kv_cpu_narrow_isa(monkeypatch, isa):
+    """The RoPE rows and the softmax loops are compiled per instruction set
+    (csrc/cpu/sparse_kv_kernels.h); the widest the machine has runs by default
+    and DLLM_CPU_ISA caps it, so the narrower copies meet the same bounds here."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        test_rope_scatter_kv_matches_reference("cpu", dtype)
+        test_sparse_attention_matches_reference("cpu", dtype, dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -492,3 +503,31 @@ def test_sparse_attention_fake_shapes():
         _, probs = torch.ops.dllm.sparse_attention(q, kc, kc, None, 0.5, False)
         assert probs.shape == (0,)
         assert torch.ops.dllm.gather_rows(torch.empty(2, 9, 5), torch.empty(2, 4, dtype=torch.long)).shape == (2, 4, 5)
+
+
+def test_scatter_rows_under_cuda_graph_capture_writes_nothing_for_bad_indices():
+    """Under CUDA graph capture the index validation cannot be read back
+    (csrc/aten/cuda_glue.h KernelStatus): nothing is raised, and the copy
+    kernels see the validation's fault record and write nothing, so a bad
+    index cannot write out of bounds. Valid indices replay as eager."""
+    require("cuda")
+    g = _gen(30)
+    B, T, C, Q = 2, 20, 48, 4
+    dst = torch.zeros(B, T, C, device="cuda")
+    src = torch.randn(B, Q, C, generator=g).cuda()
+    good = _slots(g, B, Q, T).cuda()
+    idx = good.clone()
+    torch.ops.dllm.scatter_rows(dst, src, idx)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.dllm.scatter_rows(dst, src, idx)
+    dst.zero_()
+    graph.replay()
+    want = torch.zeros(B, T, C)
+    reference.scatter_rows(want, src.cpu(), good.cpu())
+    assert torch.equal(dst.cpu(), want)
+    dst.zero_()
+    idx[1, 2] = T  # out of range: the replay must not write at all
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), torch.zeros(B, T, C))

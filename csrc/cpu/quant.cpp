@@ -1,7 +1,7 @@
 // CPU kernels of the `quant` family (dLLM-KVQ packed KV cache): grouped K
 // quantization with protected tokens, V quantization, both dequantizations,
 // the p = 0 K reconstruction error, and softmax attention over the packed cache.
-// The per-element math is common/quant_math.h, shared with the CUDA kernels.
+// The per-element math is math/quant_math.h, shared with the CUDA kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -11,18 +11,11 @@
 #include <atomic>
 #include <vector>
 
-#include "common/dispatch.h"
-#include "common/quant_checks.h"
-#include "common/quant_math.h"
-#include "common/sparse_kv_math.h"
-
-// The per-row loops below stay out of line: inlined into their callers, GCC
-// loses their restrict guarantees and runs the scalar fallback.
-#if defined(__GNUC__)
-#define DLLM_CPU_NOINLINE __attribute__((noinline))
-#else
-#define DLLM_CPU_NOINLINE
-#endif
+#include "aten/dispatch.h"
+#include "aten/quant_checks.h"
+#include "cpu/isa.h"
+#include "math/quant_math.h"
+#include "math/sparse_kv_math.h"
 
 namespace dllm {
 namespace {
@@ -46,14 +39,43 @@ inline float dequant_as(uint32_t code, float scale, float mn) {
   return widen(narrow<T>(m::dequant_value(code, scale, mn)));
 }
 
-// Status bits gathered from parallel workers.
-struct Status {
-  std::atomic<int> bits{0};
-  void add(int b) {
-    if (b) bits.fetch_or(b, std::memory_order_relaxed);
-  }
-  int get() const { return bits.load(); }
-};
+// ---- row loops ----------------------------------------------------------------
+// Compiled once, for the baseline instruction set, unlike the other families'
+// loops (cpu/isa.h): with FMA, GCC narrows the product and sum that
+// math::dequant_value rounds one by one back to fp32 operations and
+// contracts them, which changes fp32 dequantized values in the last bit; the
+// quant family is bit-exact against its oracle. DLLM_CPU_NOINLINE keeps each
+// loop a function of its own: inlined into its caller, GCC loses the restrict
+// guarantees and runs the scalar fallback.
+
+// Codes of one token row OR-ed into its byte row at bit `shift`, under the
+// per-channel stored scale / min sf[c], mf[c].
+template <typename T>
+DLLM_CPU_NOINLINE void or_codes_row(const T* __restrict__ row, const float* __restrict__ sf,
+                                    const float* __restrict__ mf, uint8_t* __restrict__ orow,
+                                    int64_t d, int bits, int shift) {
+  for (int64_t c = 0; c < d; ++c)
+    orow[c] |= static_cast<uint8_t>(m::quant_code(widen(row[c]), sf[c], mf[c], bits) << shift);
+}
+
+// Codes (one per byte) of one row under per-element stored scale / min.
+template <typename T>
+DLLM_CPU_NOINLINE void codes_row(const T* __restrict__ x, const float* __restrict__ sf,
+                                 const float* __restrict__ mf, uint8_t* __restrict__ out, int64_t d,
+                                 int bits) {
+  for (int64_t c = 0; c < d; ++c)
+    out[c] = static_cast<uint8_t>(m::quant_code(widen(x[c]), sf[c], mf[c], bits));
+}
+
+// One row of dequantized values: code j of byte c (at bit `shift`) under the
+// per-element stored scale / min sf[c], mf[c], rounded to T, stored as O.
+template <typename T, typename O>
+DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
+                                   const float* __restrict__ mf, O* __restrict__ o, int64_t d,
+                                   int shift, uint32_t mask) {
+  for (int64_t c = 0; c < d; ++c)
+    o[c] = static_cast<O>(narrow<T>(m::dequant_value((crow[c] >> shift) & mask, sf[c], mf[c])));
+}
 
 // ============================================================================
 // K: per channel over token groups, top-p protected tokens per group
@@ -118,24 +140,14 @@ void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t*
   }
 }
 
-// Codes of one token row OR-ed into its byte row at bit `shift`. A function
-// of its own with restrict pointers and local ints, so the loop vectorizes.
 template <typename T>
-DLLM_CPU_NOINLINE void or_codes_row(const T* __restrict__ row, const float* __restrict__ sf,
-                  const float* __restrict__ mf, uint8_t* __restrict__ orow, int64_t d, int bits,
-                  int shift) {
-  for (int64_t c = 0; c < d; ++c)
-    orow[c] |= static_cast<uint8_t>(m::quant_code(widen(row[c]), sf[c], mf[c], bits) << shift);
-}
-
-template <typename T>
-void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, int64_t imp_per_head,
+void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, bool imp_per_head,
                        uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx, T* prot_val,
-                       Status& status) {
+                       cpu::FaultBits& status) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
   const int64_t d = s.d, rows_per_group = G / n;
-  at::parallel_for(0, s.B * s.H * s.n_groups, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     int st = 0;
     uint8_t slot_of[m::kQuantMaxGroup];
     int chosen[m::kQuantMaxProtect];
@@ -180,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   const QuantKShape s = check_quantize_k(k, bits, group, protect_p, importance);
   const auto kc = k.contiguous();
   const QuantKOutputs o = prepare_quantize_k(s, k, importance);
-  Status status;
+  cpu::FaultBits status;
   if (s.B * s.H * s.n_groups > 0) {
     DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::quantize_k", [&] {
       quantize_k_kernel<scalar_t>(
@@ -191,19 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
           o.prot_idx.mutable_data_ptr<uint8_t>(), o.prot_val.mutable_data_ptr<scalar_t>(), status);
     });
   }
-  throw_quant_status(op, status.get());
+  raise_quant_status(op, status.get());
   return {o.codes, o.scale, o.mn, o.prot_idx, o.prot_val};
-}
-
-// One row of dequantized values: code j of byte c (at bit `shift`) under the
-// per-element stored scale / min sf[c], mf[c], rounded to T, stored as O.
-// Restrict pointers and local ints, so the loop vectorizes.
-template <typename T, typename O>
-DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
-                 const float* __restrict__ mf, O* __restrict__ o, int64_t d, int shift,
-                 uint32_t mask) {
-  for (int64_t c = 0; c < d; ++c)
-    o[c] = static_cast<O>(narrow<T>(m::dequant_value((crow[c] >> shift) & mask, sf[c], mf[c])));
 }
 
 // Dequantized K rows of one group into out (row stride d), protected tokens
@@ -244,12 +245,13 @@ at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, co
   const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
   const auto ic = prot_idx.contiguous(), vc = prot_val.contiguous();
   auto out = at::empty({s.B, s.H, s.T, s.d}, scale.options());
-  Status status;
+  cpu::FaultBits status;
   DLLM_DISPATCH_FLOATING_TYPES(scale.scalar_type(), "dllm::dequantize_k", [&] {
     const scalar_t *sp = sc.const_data_ptr<scalar_t>(), *mp = mc.const_data_ptr<scalar_t>();
     const scalar_t* vp = vc.const_data_ptr<scalar_t>();
     scalar_t* op_ = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, s.B * s.H * s.n_groups, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit,
+                     [&](int64_t begin, int64_t end) {
       int st = 0;
       for (int64_t u = begin; u < end; ++u) {
         const int64_t g = u % s.n_groups, bh = u / s.n_groups;
@@ -260,15 +262,15 @@ at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, co
       status.add(st);
     });
   });
-  throw_quant_status(op, status.get());
+  raise_quant_status(op, status.get());
   return out;
 }
 
 template <typename T>
-void k_quant_error_kernel(const QuantKShape& s, const T* k, float* err, Status& status) {
+void k_quant_error_kernel(const QuantKShape& s, const T* k, float* err, cpu::FaultBits& status) {
   const int G = static_cast<int>(s.G), bits = static_cast<int>(s.bits);
   const int64_t d = s.d;
-  at::parallel_for(0, s.B * s.H * s.n_groups, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     int st = 0;
     float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
     for (int64_t u = begin; u < end; ++u) {
@@ -295,28 +297,20 @@ at::Tensor k_quant_error_cpu(const at::Tensor& k, int64_t bits, int64_t group) {
   const QuantKShape s = check_k_quant_error(k, bits, group);
   const auto kc = k.contiguous();
   auto err = at::empty({s.B, s.H, s.T}, k.options().dtype(at::kFloat));
-  Status status;
+  cpu::FaultBits status;
   if (err.numel() > 0) {
     DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::k_quant_error", [&] {
       k_quant_error_kernel<scalar_t>(s, kc.const_data_ptr<scalar_t>(),
                                      err.mutable_data_ptr<float>(), status);
     });
   }
-  throw_quant_status(op, status.get());
+  raise_quant_status(op, status.get());
   return err;
 }
 
 // ============================================================================
 // V: per token over channel groups
 // ============================================================================
-
-// Codes (one per byte) of one row under per-element stored scale / min.
-template <typename T>
-DLLM_CPU_NOINLINE void codes_row(const T* __restrict__ x, const float* __restrict__ sf, const float* __restrict__ mf,
-               uint8_t* __restrict__ out, int64_t d, int bits) {
-  for (int64_t c = 0; c < d; ++c)
-    out[c] = static_cast<uint8_t>(m::quant_code(widen(x[c]), sf[c], mf[c], bits));
-}
 
 template <typename T>
 void quantize_v_row(const QuantVShape& s, const T* x, uint8_t* codes, T* scale, T* mn, int& st) {
@@ -360,15 +354,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
   constexpr const char* op = "quantize_v";
   const QuantVShape s = check_quantize_v(v, bits, group);
   const auto vc = v.contiguous();
-  auto codes = at::empty({s.B, s.H, s.T, s.row_bytes}, v.options().dtype(at::kByte));
-  auto scale = at::empty({s.B, s.H, s.T, s.n_groups}, v.options());
-  auto mn = at::empty({s.B, s.H, s.T, s.n_groups}, v.options());
-  Status status;
+  const QuantVOutputs o = prepare_quantize_v(s, v);
+  cpu::FaultBits status;
   DLLM_DISPATCH_FLOATING_TYPES(v.scalar_type(), "dllm::quantize_v", [&] {
     const scalar_t* x = vc.const_data_ptr<scalar_t>();
-    uint8_t* cp = codes.mutable_data_ptr<uint8_t>();
-    scalar_t *sp = scale.mutable_data_ptr<scalar_t>(), *mp = mn.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, s.B * s.H * s.T, 64, [&](int64_t begin, int64_t end) {
+    uint8_t* cp = o.codes.mutable_data_ptr<uint8_t>();
+    scalar_t *sp = o.scale.mutable_data_ptr<scalar_t>(), *mp = o.mn.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.B * s.H * s.T, cpu::kGrainQuantRows, [&](int64_t begin, int64_t end) {
       int st = 0;
       for (int64_t row = begin; row < end; ++row)
         quantize_v_row(s, x + row * s.d, cp + row * s.row_bytes, sp + row * s.n_groups,
@@ -376,8 +368,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
       status.add(st);
     });
   });
-  throw_quant_status(op, status.get(), "v");
-  return {codes, scale, mn};
+  raise_quant_status(op, status.get(), "v");
+  return {o.codes, o.scale, o.mn};
 }
 
 // One dequantized V row (d values) into out: codes unpacked to one per
@@ -409,7 +401,7 @@ at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, co
     const uint8_t* cp = cc.const_data_ptr<uint8_t>();
     const scalar_t *sp = sc.const_data_ptr<scalar_t>(), *mp = mc.const_data_ptr<scalar_t>();
     scalar_t* op_ = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, s.B * s.H * s.T, 64, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.B * s.H * s.T, cpu::kGrainQuantRows, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
         dequant_v_row(s, cp + row * s.row_bytes, sp + row * s.n_groups, mp + row * s.n_groups,
                       op_ + row * s.d);
@@ -440,13 +432,13 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
                             const T* kscale, const T* kmin, const uint8_t* kidx, const T* kval,
                             const uint8_t* vcodes, const T* vscale, const T* vmin,
                             const bool* key_valid, const int64_t* n_valid, float scale, T* out,
-                            Status& status) {
+                            cpu::FaultBits& status) {
   const int64_t G = s.H / s.H_kv, d = s.d, Tn = s.T;
   int64_t Qt = std::max<int64_t>(1, 64 / G);
   Qt = std::min(Qt, std::max<int64_t>(1, (int64_t{1} << 20) / (G * Tn)));
   Qt = std::min(Qt, s.Q);
   const int64_t M = Qt * G;
-  at::parallel_for(0, s.B * s.H_kv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.B * s.H_kv, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     QAttnScratch w(Tn, d, M);
     int st = 0;
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -530,7 +522,7 @@ at::Tensor quant_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes,
   } else {
     n_valid = at::full({s.B}, s.T, at::kLong);
   }
-  Status status;
+  cpu::FaultBits status;
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::quant_attention", [&] {
     quant_attention_kernel<scalar_t>(
         s, qc.const_data_ptr<scalar_t>(), kcc.const_data_ptr<uint8_t>(),
@@ -541,7 +533,7 @@ at::Tensor quant_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes,
         n_valid.const_data_ptr<int64_t>(), static_cast<float>(scale),
         out.mutable_data_ptr<scalar_t>(), status);
   });
-  throw_quant_status(op, status.get());
+  raise_quant_status(op, status.get());
   return out;
 }
 

@@ -1,5 +1,5 @@
 // CPU kernels of the `rollout` family: attention rollout importance in
-// O(L·Q·T) and nucleus (top-p) selection. The math is in common/rollout_math.h.
+// O(L·Q·T) and nucleus (top-p) selection. The math is in math/rollout_math.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -8,9 +8,10 @@
 #include <atomic>
 #include <vector>
 
-#include "common/dispatch.h"
-#include "common/rollout_checks.h"
-#include "common/rollout_math.h"
+#include "aten/dispatch.h"
+#include "aten/rollout_checks.h"
+#include "cpu/isa.h"
+#include "math/rollout_math.h"
 
 namespace dllm {
 namespace {
@@ -128,11 +129,9 @@ bool rollout_batch_row(const T* probs, const int64_t* idx, const bool* valid, fl
     const int64_t n_used = static_cast<int64_t>(used_rows.size());
     if (n_used == 0) continue;
     // Coefficients from the old v, before any entry of v changes.
-    // Each layer forks at most twice; below ~2^17 elements per task the
-    // fork/join costs more than it saves (layers of one decode step are small).
-    constexpr int64_t kTaskElems = int64_t{1} << 17;
     std::atomic<bool> ok{true};
-    at::parallel_for(0, n_used, std::max<int64_t>(1, kTaskElems / T_len), [&](int64_t u0, int64_t u1) {
+    at::parallel_for(0, n_used, cpu::grain_items(cpu::kGrainRolloutElems, T_len),
+                     [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t r = used_rows[u];
         bool row_ok = true;
@@ -147,7 +146,8 @@ bool rollout_batch_row(const T* probs, const int64_t* idx, const bool* valid, fl
     // ...and the attention half spreads over the columns. Invalid columns
     // collect whatever sits there, but no used row reads them (its token is
     // valid) and the output zeroes them.
-    const int64_t grain = std::max<int64_t>(256, kTaskElems / n_used);
+    const int64_t grain =
+        std::max(cpu::kGrainRolloutColumns, cpu::grain_items(cpu::kGrainRolloutElems, n_used));
     at::parallel_for(0, T_len, grain, [&](int64_t j0, int64_t j1) {
       accumulate_columns(v.data(), a, coef.data(), used_rows.data(), n_used, T_len, j0, j1);
     });
@@ -165,23 +165,23 @@ at::Tensor rollout_scores_cpu(const at::Tensor& probs_rows, const at::Tensor& ro
   const auto ic = row_idx.contiguous();
   const auto vc = valid.contiguous();
   const int64_t* idx = ic.const_data_ptr<int64_t>();
-  throw_rollout_status(rollout_index_status(idx, L, B, Q, T_len), T_len);
+  raise_rollout_status(rollout_index_status(idx, L, B, Q, T_len), T_len);
   auto out = at::empty({B, T_len}, probs_rows.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
   float* o = out.mutable_data_ptr<float>();
   const bool* val = vc.const_data_ptr<bool>();
-  std::atomic<bool> ok{true};
+  cpu::FaultBits faults;
   DLLM_DISPATCH_FLOATING_TYPES(probs_rows.scalar_type(), "dllm::rollout_scores", [&] {
     const scalar_t* p = pc.const_data_ptr<scalar_t>();
     // Batch rows in parallel; with one row (or a nested call) the layer loops
     // parallelise over rows and columns instead.
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, cpu::kGrainOneUnit, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         if (!rollout_batch_row(p, idx, val + b * T_len, o + b * T_len, L, B, Q, T_len, b))
-          ok.store(false, std::memory_order_relaxed);
+          faults.add(m::kRolloutBadProb);
     });
   });
-  throw_rollout_status(ok.load() ? 0 : m::kRolloutBadProb, T_len);
+  raise_rollout_status(faults.get(), T_len);
   return out;
 }
 
@@ -214,18 +214,19 @@ at::Tensor nucleus_select_cpu(const at::Tensor& scores, const at::Tensor& candid
   if (out.numel() == 0) return out;
   bool* o = out.mutable_data_ptr<bool>();
   const bool* cand = cc.const_data_ptr<bool>();
-  std::atomic<bool> ok{true};
+  cpu::FaultBits faults;
   DLLM_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "dllm::nucleus_select", [&] {
     const scalar_t* s = sc.const_data_ptr<scalar_t>();
-    at::parallel_for(0, B, std::max<int64_t>(1, 16384 / T_len), [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, cpu::grain_items(cpu::kGrainNucleusElems, T_len),
+                     [&](int64_t b0, int64_t b1) {
       std::vector<uint64_t> keys;
       keys.reserve(T_len);
       for (int64_t b = b0; b < b1; ++b)
         if (!nucleus_row(s + b * T_len, cand + b * T_len, o + b * T_len, T_len, p, min_k, keys))
-          ok.store(false, std::memory_order_relaxed);
+          faults.add(m::kNucleusBadScore);
     });
   });
-  throw_nucleus_status(ok.load() ? 0 : m::kNucleusBadScore);
+  raise_nucleus_status(faults.get());
   return out;
 }
 

@@ -10,10 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "common/dllm_math.h"
-#include "common/dispatch.h"
-#include "common/select_checks.h"
-#include "common/select_math.h"
+#include "aten/dispatch.h"
+#include "aten/select_checks.h"
+#include "cpu/isa.h"
+#include "math/dllm_math.h"
+#include "math/select_math.h"
 
 namespace dllm {
 namespace {
@@ -50,14 +51,14 @@ at::Tensor cosine_drift_cpu(const at::Tensor& x, const at::Tensor& x_prev) {
   const int64_t D = x.size(-1);
   const int64_t rows = x.numel() / D;
   auto out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
   DLLM_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dllm::cosine_drift", [&] {
-    const scalar_t* px = xc.const_data_ptr<scalar_t>();
-    const scalar_t* py = yc.const_data_ptr<scalar_t>();
-    // ~32K elements per task keeps scheduling overhead negligible.
-    const int64_t grain = std::max<int64_t>(1, 32768 / D);
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) o[r] = cosine_drift_row(px + r * D, py + r * D, D);
+    const scalar_t* x_p = xc.const_data_ptr<scalar_t>();
+    const scalar_t* x_prev_p = yc.const_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, cpu::grain_items(cpu::kGrainStreamElems, D),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        out_p[r] = cosine_drift_row(x_p + r * D, x_prev_p + r * D, D);
     });
   });
   return out;
@@ -66,11 +67,8 @@ at::Tensor cosine_drift_cpu(const at::Tensor& x, const at::Tensor& x_prev) {
 // ============================================================================
 // token_confidence
 // ============================================================================
-// The row kernels live in select_confidence_impl.h, compiled here once per
-// instruction set and chosen at run time (DLLM_CPU_ISA=generic|avx2|avx512
-// caps the choice, e.g. to test the narrower paths on a wide machine).
-
-constexpr int kChunk = 2048;
+// The row kernels live in select_kernels.h, compiled once per instruction set
+// (cpu/isa.h) and chosen per call.
 
 // Ids to suppress, sorted and unique, all in [0, V).
 struct SuppressList {
@@ -82,74 +80,8 @@ struct ConfRow {
   math::NoisyArgmax na;
 };
 
-namespace isa_generic {
-#define DLLM_VEC_FLOATS 4
-#include "cpu/select_confidence_impl.h"
-#undef DLLM_VEC_FLOATS
-}  // namespace isa_generic
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define DLLM_SELECT_X86 1
-// vf values only pass between inlined functions of one ISA namespace; the ABI
-// note GCC gives for wide vectors does not apply.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace isa_avx2 {
-#define DLLM_VEC_FLOATS 8
-#include "cpu/select_confidence_impl.h"
-#undef DLLM_VEC_FLOATS
-}  // namespace isa_avx2
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace isa_avx512 {
-#define DLLM_VEC_FLOATS 16
-#include "cpu/select_confidence_impl.h"
-#undef DLLM_VEC_FLOATS
-}  // namespace isa_avx512
-#pragma GCC pop_options
-#pragma GCC diagnostic pop
-#endif
-
-enum class CpuIsa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
-
-CpuIsa cpu_isa() {
-  CpuIsa best = CpuIsa::kGeneric;
-#if defined(DLLM_SELECT_X86)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = CpuIsa::kAvx2;
-  if (best == CpuIsa::kAvx2 && __builtin_cpu_supports("avx512f")) best = CpuIsa::kAvx512;
-#endif
-  if (const char* cap = std::getenv("DLLM_CPU_ISA")) {
-    const std::string c(cap);
-    const CpuIsa want = c == "generic" ? CpuIsa::kGeneric
-                        : c == "avx2"  ? CpuIsa::kAvx2
-                                       : CpuIsa::kAvx512;
-    if (static_cast<int>(want) < static_cast<int>(best)) best = want;
-  }
-  return best;
-}
-
-template <typename T, int kMode, bool kNoisy>
-void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const float* noise,
-                     int64_t nld, double temperature, const SuppressList& sup, int64_t* token,
-                     float* score, std::atomic<int>* any_bad) {
-#if defined(DLLM_SELECT_X86)
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512:
-      return isa_avx512::confidence_rows<T, kMode, kNoisy>(logits, ld, N, V, noise, nld,
-                                                           temperature, sup, token, score, any_bad);
-    case CpuIsa::kAvx2:
-      return isa_avx2::confidence_rows<T, kMode, kNoisy>(logits, ld, N, V, noise, nld,
-                                                         temperature, sup, token, score, any_bad);
-    default:
-      break;
-  }
-#endif
-  isa_generic::confidence_rows<T, kMode, kNoisy>(logits, ld, N, V, noise, nld, temperature, sup,
-                                                 token, score, any_bad);
-}
+#define DLLM_ISA_KERNELS "cpu/select_kernels.h"
+#include "cpu/isa.h"
 
 std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits,
                                                         c10::string_view mode, double temperature,
@@ -157,6 +89,7 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits
                                                         const std::optional<at::Tensor>& noise) {
   check_token_confidence(logits, temperature, suppress, noise);
   const int conf_mode = parse_conf_mode(mode);
+  const cpu::Isa isa = cpu::active_isa("token_confidence");
   const int64_t N = logits.size(0), V = logits.size(1);
   // Rows may be strided (a view into [B, L, V] logits); the vocab dim must be dense.
   const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
@@ -168,40 +101,37 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits
     const int64_t* p = ids.const_data_ptr<int64_t>();
     sup.ids.assign(p, p + ids.numel());
     for (int64_t id : sup.ids)
-      if (id < 0 || id >= V) token_confidence_raise(logits, suppress, noise, at::Tensor());
+      if (id < 0 || id >= V)
+        raise_token_confidence_status(math::kConfBadSuppressId, logits, suppress, noise,
+                                      at::Tensor());
     std::sort(sup.ids.begin(), sup.ids.end());
     sup.ids.erase(std::unique(sup.ids.begin(), sup.ids.end()), sup.ids.end());
   }
   auto token = at::empty({N}, logits.options().dtype(at::kLong));
   auto score = at::empty({N}, logits.options().dtype(at::kFloat));
-  std::atomic<int> any_bad{0};
+  cpu::FaultBits faults;
   const bool noisy = temperature > 0;
   DLLM_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "dllm::token_confidence", [&] {
-    const scalar_t* px = x.const_data_ptr<scalar_t>();
-    const float* pg = noisy ? g.const_data_ptr<float>() : nullptr;
+    const scalar_t* logits_p = x.const_data_ptr<scalar_t>();
+    const float* noise_p = noisy ? g.const_data_ptr<float>() : nullptr;
     const int64_t ld = x.stride(0), nld = noisy ? g.stride(0) : 0;
-    int64_t* pt = token.mutable_data_ptr<int64_t>();
-    float* ps = score.mutable_data_ptr<float>();
-    auto run = [&](auto mode_c, auto noisy_c) {
-      confidence_rows<scalar_t, decltype(mode_c)::value, decltype(noisy_c)::value>(
-          px, ld, N, V, pg, nld, temperature, sup, pt, ps, &any_bad);
-    };
-    using P = std::integral_constant<int, math::kConfProb>;
-    using M = std::integral_constant<int, math::kConfMargin>;
-    using E = std::integral_constant<int, math::kConfNegEntropy>;
-    using Y = std::true_type;
-    using F = std::false_type;
-    if (conf_mode == math::kConfProb) noisy ? run(P{}, Y{}) : run(P{}, F{});
-    if (conf_mode == math::kConfMargin) noisy ? run(M{}, Y{}) : run(M{}, F{});
-    if (conf_mode == math::kConfNegEntropy) noisy ? run(E{}, Y{}) : run(E{}, F{});
+    int64_t* token_p = token.mutable_data_ptr<int64_t>();
+    float* score_p = score.mutable_data_ptr<float>();
+    math::with_confidence_mode(conf_mode, [&](auto mode) {
+      constexpr int kMode = decltype(mode)::value;
+      if (noisy)
+        DLLM_ISA_CALL(isa, confidence_rows<scalar_t, kMode, true>(logits_p, ld, N, V, noise_p, nld,
+                                                                  temperature, sup, token_p,
+                                                                  score_p, &faults));
+      else
+        DLLM_ISA_CALL(isa, confidence_rows<scalar_t, kMode, false>(logits_p, ld, N, V, noise_p, nld,
+                                                                   temperature, sup, token_p,
+                                                                   score_p, &faults));
+    });
   });
-  if (any_bad.load()) token_confidence_raise(logits, suppress, noise, score);
+  raise_token_confidence_status(faults.get(), logits, suppress, noise, score);
   return {token, score};
 }
-
-// Per-task work for the small selection ops, in elements: below ~64K a
-// fork/join of the thread pool costs more than the work it splits.
-constexpr int64_t kRowsPerTaskElems = 65536;
 
 // ============================================================================
 // select_transfer
@@ -226,10 +156,10 @@ int select_transfer_row(const T* s, const bool* c, int64_t L, int rule, int64_t 
     n += c[i];
     out[i] = false;
   }
-  if (nan) return kTransferNaN;
+  if (nan) return math::kTransferNaN;
   const auto first = keys.begin(), last = keys.begin() + n;
   if (rule == math::kRuleTopk) {
-    if (k < 0 || k > n) return kTransferBadK;
+    if (k < 0 || k > n) return math::kTransferBadK;
     if (k > 0 && k < n) std::nth_element(first, first + (k - 1), last);
     for (int64_t j = 0; j < k; ++j) out[math::key_index(keys[j])] = true;
   } else if (rule == math::kRuleThreshold) {
@@ -264,24 +194,24 @@ at::Tensor select_transfer_cpu(const at::Tensor& score, const at::Tensor& candid
   at::Tensor kc;
   if (k) kc = k->contiguous();
   auto out = at::empty({B, L}, candidate.options());
-  std::atomic<int> flags{0};
+  cpu::FaultBits faults;
   DLLM_DISPATCH_FLOATING_TYPES(score.scalar_type(), "dllm::select_transfer", [&] {
-    const scalar_t* ps = sc.const_data_ptr<scalar_t>();
-    const bool* pc = cc.const_data_ptr<bool>();
-    const int64_t* pk = k ? kc.const_data_ptr<int64_t>() : nullptr;
-    bool* po = out.mutable_data_ptr<bool>();
+    const scalar_t* score_p = sc.const_data_ptr<scalar_t>();
+    const bool* cand_p = cc.const_data_ptr<bool>();
+    const int64_t* k_p = k ? kc.const_data_ptr<int64_t>() : nullptr;
+    bool* out_p = out.mutable_data_ptr<bool>();
     // Small batches stay on one thread: a fork/join costs more than a row.
-    at::parallel_for(0, B, std::max<int64_t>(1, kRowsPerTaskElems / std::max<int64_t>(L, 1)),
+    at::parallel_for(0, B, cpu::grain_items(cpu::kGrainSelectElems, L),
                      [&](int64_t begin, int64_t end) {
       std::vector<uint64_t> keys;
       for (int64_t b = begin; b < end; ++b) {
-        const int f = select_transfer_row(ps + b * L, pc + b * L, L, rule, pk ? pk[b] : 0,
-                                          threshold, factor, po + b * L, keys);
-        if (f) flags.fetch_or(f, std::memory_order_relaxed);
+        const int f = select_transfer_row(score_p + b * L, cand_p + b * L, L, rule, k_p ? k_p[b] : 0,
+                                          threshold, factor, out_p + b * L, keys);
+        faults.add(f);
       }
     });
   });
-  if (flags.load()) select_transfer_raise(score, candidate, k);
+  raise_select_transfer_status(faults.get(), score, candidate, k);
   return out;
 }
 
@@ -326,16 +256,15 @@ at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool l
   std::vector<double> weight(W + 1);
   for (int64_t d = 0; d <= W; ++d) weight[d] = math::density_weight(d, inv_two_sigma2);
   const double inv_z = 1.0 / math::density_normaliser(G, sigma);
-  const bool* pd = dc.const_data_ptr<bool>();
-  float* po = out.mutable_data_ptr<float>();
-  // ~1M kernel terms per task (about a millisecond).
-  at::parallel_for(0, B, std::max<int64_t>(1, (int64_t(1) << 20) / (G * (W + 1))),
+  const bool* decoded_p = dc.const_data_ptr<bool>();
+  float* out_p = out.mutable_data_ptr<float>();
+  at::parallel_for(0, B, cpu::grain_items(cpu::kGrainDensityTerms, G * (W + 1)),
                    [&](int64_t begin, int64_t end) {
     std::vector<double> mk, acc;
     for (int64_t b = begin; b < end; ++b) {
-      const bool* row = pd + b * G;
+      const bool* row = decoded_p + b * G;
       certainty_density_row(row, G, left_known, right_known || row[G - 1], W, weight, inv_z, mk,
-                            acc, po + b * G);
+                            acc, out_p + b * G);
     }
   });
   return out;
@@ -349,12 +278,11 @@ at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool l
 // returns the real recompute count, or -1 on a NaN drift in the region.
 // Branch-free over the (random) region mask; `slots` is T_len scratch ids.
 template <typename T>
-int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_fraction,
-                         double reuse_fraction, double threshold, int64_t max_recompute,
-                         bool* reuse, int32_t* idx, std::vector<uint64_t>& keys,
-                         std::vector<int32_t>& slots) {
+int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, const DriftRule& rule,
+                         int64_t max_recompute, bool* reuse, int32_t* idx,
+                         std::vector<uint64_t>& keys, std::vector<int32_t>& slots) {
   bool nan = false;
-  if (by_fraction) {
+  if (rule.by_fraction) {
     keys.resize(T_len);
     int64_t n = 0;
     for (int64_t i = 0; i < T_len; ++i) {
@@ -365,14 +293,14 @@ int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_
       reuse[i] = false;
     }
     if (nan) return -1;
-    const int64_t r = math::drift_reuse_count(reuse_fraction, n);
+    const int64_t r = math::drift_reuse_count(rule.param, n);
     if (r > 0 && r < n) std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.begin() + n);
     for (int64_t j = 0; j < r; ++j) reuse[math::key_index(keys[j])] = true;
   } else {
     for (int64_t i = 0; i < T_len; ++i) {
       const float v = static_cast<float>(d[i]);
       nan |= region[i] & (v != v);
-      reuse[i] = region[i] & !(static_cast<double>(v) >= threshold);
+      reuse[i] = region[i] & !(static_cast<double>(v) >= rule.param);
     }
     if (nan) return -1;
   }
@@ -388,9 +316,9 @@ int64_t drift_select_row(const T* d, const bool* region, int64_t T_len, bool by_
   return count;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_impl(
-    const char* op, const at::Tensor& drift, const at::Tensor& region, bool by_fraction,
-    double reuse_fraction, double threshold, int64_t max_recompute) {
+DriftSelectResult drift_select_cpu(const DriftRule& rule, const at::Tensor& drift,
+                                    const at::Tensor& region, int64_t max_recompute) {
+  const char* op = rule.op;
   check_drift_select(op, drift, region, max_recompute);
   const int64_t B = drift.size(0), T_len = drift.size(1);
   const auto dc = drift.contiguous();
@@ -398,50 +326,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_impl(
   auto reuse = at::empty({B, T_len}, region.options());
   auto idx = at::empty({B, max_recompute}, region.options().dtype(at::kInt));
   auto count = at::empty({B}, region.options().dtype(at::kInt));
-  std::atomic<int> flags{0};
+  cpu::FaultBits faults;
   DLLM_DISPATCH_FLOATING_TYPES(drift.scalar_type(), "dllm::drift_select", [&] {
-    const scalar_t* pd = dc.const_data_ptr<scalar_t>();
-    const bool* pr = rc.const_data_ptr<bool>();
-    bool* pu = reuse.mutable_data_ptr<bool>();
-    int32_t* pi = idx.mutable_data_ptr<int32_t>();
-    int32_t* pc = count.mutable_data_ptr<int32_t>();
-    at::parallel_for(0, B, std::max<int64_t>(1, kRowsPerTaskElems / std::max<int64_t>(T_len, 1)),
+    const scalar_t* drift_p = dc.const_data_ptr<scalar_t>();
+    const bool* region_p = rc.const_data_ptr<bool>();
+    bool* reuse_p = reuse.mutable_data_ptr<bool>();
+    int32_t* idx_p = idx.mutable_data_ptr<int32_t>();
+    int32_t* count_p = count.mutable_data_ptr<int32_t>();
+    at::parallel_for(0, B, cpu::grain_items(cpu::kGrainSelectElems, T_len),
                      [&](int64_t begin, int64_t end) {
       std::vector<uint64_t> keys;
       std::vector<int32_t> slots;
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t c = drift_select_row(pd + b * T_len, pr + b * T_len, T_len, by_fraction,
-                                           reuse_fraction, threshold, max_recompute,
-                                           pu + b * T_len, pi + b * max_recompute, keys, slots);
+        const int64_t c = drift_select_row(drift_p + b * T_len, region_p + b * T_len, T_len,
+                                           rule, max_recompute, reuse_p + b * T_len,
+                                           idx_p + b * max_recompute, keys, slots);
         if (c < 0) {
-          flags.fetch_or(kDriftNaN, std::memory_order_relaxed);
-          pc[b] = 0;
+          faults.add(math::kDriftNaN);
+          count_p[b] = 0;
         } else {
-          pc[b] = static_cast<int32_t>(c);
-          if (c > max_recompute) flags.fetch_or(kDriftOverflow, std::memory_order_relaxed);
+          count_p[b] = static_cast<int32_t>(c);
+          if (c > max_recompute) faults.add(math::kDriftOverflow);
         }
       }
     });
   });
-  if (flags.load()) drift_select_raise(op, drift, region, count, max_recompute);
+  raise_drift_select_status(op, faults.get(), drift, region, count, max_recompute);
   return {reuse, idx, count};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cpu(const at::Tensor& drift,
-                                                                const at::Tensor& region,
-                                                                double reuse_fraction,
-                                                                int64_t max_recompute) {
-  DLLM_CHECK(reuse_fraction >= 0 && reuse_fraction < 1, "drift_select",
-             "reuse_fraction must be in [0, 1), got ", reuse_fraction);
-  return drift_select_impl("drift_select", drift, region, true, reuse_fraction, 0.0,
-                           max_recompute);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_threshold_cpu(
-    const at::Tensor& drift, const at::Tensor& region, double threshold, int64_t max_recompute) {
-  DLLM_CHECK(!std::isnan(threshold), "drift_select_threshold", "threshold must not be NaN");
-  return drift_select_impl("drift_select_threshold", drift, region, false, 0.0, threshold,
-                           max_recompute);
 }
 
 }  // namespace
@@ -451,8 +362,8 @@ TORCH_LIBRARY_IMPL(dllm, CPU, m) {
   m.impl("token_confidence", &token_confidence_cpu);
   m.impl("select_transfer", &select_transfer_cpu);
   m.impl("certainty_density", &certainty_density_cpu);
-  m.impl("drift_select", &drift_select_cpu);
-  m.impl("drift_select_threshold", &drift_select_threshold_cpu);
+  m.impl("drift_select", &drift_select_op<drift_select_cpu>);
+  m.impl("drift_select_threshold", &drift_select_threshold_op<drift_select_cpu>);
 }
 
 }  // namespace dllm

@@ -10,41 +10,19 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/dispatch.h"
-#include "common/sparse_kv_checks.h"
-#include "common/sparse_kv_math.h"
-
-// Hot softmax loops are compiled per ISA and picked at load time (GCC/Clang
-// ifunc), so the default build -- no -march flag -- still runs them with
-// AVX-512 or AVX2 where the machine has them.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(__SANITIZE_ADDRESS__) && !defined(DLLM_NO_CLONES)
-#define DLLM_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DLLM_CPU_CLONES
-#endif
+#include "aten/dispatch.h"
+#include "aten/sparse_kv_checks.h"
+#include "cpu/isa.h"
+#include "math/sparse_kv_math.h"
 
 namespace dllm {
 namespace {
 
 namespace m = dllm::math;
 
-// ---- element conversions, in plain integer ops so loops over them vectorize ----
-
-// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  const uint16_t rounded = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-  return (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40u) : rounded;
-}
-
-static inline __attribute__((always_inline)) float bf16_bits_to_float(uint16_t h) {
-  const uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
+// The vectorized loops, one copy per instruction set (cpu/isa.h).
+#define DLLM_ISA_KERNELS "cpu/sparse_kv_kernels.h"
+#include "cpu/isa.h"
 
 // ============================================================================
 // rope_scatter_kv
@@ -73,39 +51,16 @@ void rotate_row(const T* src, T* dst, int64_t stride_src, int64_t stride_dst, co
   }
 }
 
-// Contiguous head rows of fp32 / bf16, the common case: widened into fp32
-// staging rows first, so src == dst (q in place) is safe and both loops
-// vectorize. half <= kSparseKvMaxHeadDim / 2.
-DLLM_CPU_CLONES void rotate_row_contig(const float* src, float* dst, const float* __restrict__ cos_a,
-                                       const float* __restrict__ sin_a, int64_t half) {
-  float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
-  for (int64_t i = 0; i < half; ++i) lo[i] = src[i], hi[i] = src[i + half];
-  for (int64_t i = 0; i < half; ++i) {
-    const m::RotatedPair r = m::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
-    dst[i] = r.lo;
-    dst[i + half] = r.hi;
+// A contiguous head row: fp32 / bf16 through the vectorized copy for `isa`;
+// fp16 keeps c10's conversions in the baseline build (a rare cache dtype).
+template <typename T>
+void rotate_row_contig(cpu::Isa isa, const T* src, T* dst, const float* cos_a,
+                       const float* sin_a, int64_t half) {
+  if constexpr (std::is_same_v<T, at::Half>) {
+    rotate_row(src, dst, 1, 1, cos_a, sin_a, half);
+  } else {
+    DLLM_ISA_CALL(isa, rotate_row_contig(src, dst, cos_a, sin_a, half));
   }
-}
-
-DLLM_CPU_CLONES void rotate_row_contig(const at::BFloat16* src_, at::BFloat16* dst_,
-                                       const float* __restrict__ cos_a,
-                                       const float* __restrict__ sin_a, int64_t half) {
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(src_);
-  uint16_t* dst = reinterpret_cast<uint16_t*>(dst_);
-  float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
-  for (int64_t i = 0; i < half; ++i)
-    lo[i] = bf16_bits_to_float(src[i]), hi[i] = bf16_bits_to_float(src[i + half]);
-  for (int64_t i = 0; i < half; ++i) {
-    const m::RotatedPair r = m::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
-    dst[i] = bf16_bits_rne(r.lo);
-    dst[i + half] = bf16_bits_rne(r.hi);
-  }
-}
-
-// fp16 keeps c10's conversions (no vectorized path; a rare cache dtype).
-void rotate_row_contig(const at::Half* src, at::Half* dst, const float* cos_a, const float* sin_a,
-                       int64_t half) {
-  rotate_row(src, dst, 1, 1, cos_a, sin_a, half);
 }
 
 void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -125,18 +80,19 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const auto table = cos_sin.contiguous();
   const float* tab = table.const_data_ptr<float>();
   const int64_t half = d / 2;
+  const cpu::Isa isa = cpu::active_isa(op);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::rope_scatter_kv", [&] {
     const View4<scalar_t> qv(q), kv(k), vv(v), kc(k_cache), vc(v_cache);
     const bool contig = qv.s3 == 1 && kv.s3 == 1 && kc.s3 == 1;
     auto rotate = [&](const scalar_t* src, scalar_t* dst, int64_t ss, int64_t sd, const float* c,
                       const float* s_) {
       if (contig) {
-        rotate_row_contig(src, dst, c, s_, half);
+        rotate_row_contig(isa, src, dst, c, s_, half);
       } else {
         rotate_row(src, dst, ss, sd, c, s_, half);
       }
     };
-    at::parallel_for(0, B * Q, std::max<int64_t>(1, 4096 / ((H + 2 * H_kv) * d)),
+    at::parallel_for(0, B * Q, cpu::grain_items(cpu::kGrainRopeElems, (H + 2 * H_kv) * d),
                      [&](int64_t begin, int64_t end) {
       for (int64_t tok = begin; tok < end; ++tok) {
         const int64_t b = tok / Q, j = tok % Q, slot = idx_p[tok];
@@ -178,165 +134,6 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // P is rounded to the input dtype for step 3 (fp32 stays fp32), as torch's
 // own CPU attention does; sums and the output accumulate in fp32.
 
-// exp(x) for the softmax weights, written so the compiler vectorizes it:
-// Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-7 Taylor polynomial
-// (truncation error < 6e-9, so about 1 ulp of fp32 overall), 2^n through the
-// exponent bits. The device kernels use expf instead. Arguments are
-// clamped to [-87, 88] (exp(-87) = 1.6e-38: a weight that small is zero in
-// any sum with the row maximum, whose weight is 1).
-static inline __attribute__((always_inline)) float exp_poly(float x) {
-  x = x < -87.f ? -87.f : x;
-  x = x > 88.f ? 88.f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln2)
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
-// Pass 1: column maxima of scale * S^T over valid keys.
-DLLM_CPU_CLONES void column_max(const float* __restrict__ st, const bool* __restrict__ valid,
-                                int64_t T, int64_t M, float scale, float* __restrict__ mx) {
-  for (int64_t r = 0; r < M; ++r) mx[r] = -INFINITY;
-  for (int64_t t = 0; t < T; ++t) {
-    if (valid && !valid[t]) continue;
-    const float* row = st + t * M;
-    for (int64_t r = 0; r < M; ++r) mx[r] = std::max(mx[r], row[r] * scale);
-  }
-}
-
-// Pass 2: S^T <- exp(scale * S^T - max) (exactly 0 on masked keys), column sums.
-DLLM_CPU_CLONES void column_exp_sum(float* __restrict__ st, const bool* __restrict__ valid,
-                                    int64_t T, int64_t M, float scale,
-                                    const float* __restrict__ mx, float* __restrict__ sum) {
-  for (int64_t r = 0; r < M; ++r) sum[r] = 0.f;
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = st + t * M;
-    if (valid && !valid[t]) {
-      for (int64_t r = 0; r < M; ++r) row[r] = 0.f;
-      continue;
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      const float e = exp_poly(row[r] * scale - mx[r]);
-      row[r] = e;
-      sum[r] += e;
-    }
-  }
-}
-
-// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype, in 16x16 blocks so
-// both sides stream through cache lines. One overload per gemm dtype.
-DLLM_CPU_CLONES void normalize_transpose(const float* __restrict__ st,
-                                         const float* __restrict__ inv, int64_t T, int64_t M,
-                                         float* __restrict__ p) {
-  constexpr int64_t kB = 16;
-  for (int64_t r0 = 0; r0 < M; r0 += kB) {
-    const int64_t r1 = std::min(M, r0 + kB);
-    for (int64_t t0 = 0; t0 < T; t0 += kB) {
-      const int64_t t1 = std::min(T, t0 + kB);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = st[t * M + r] * inv[r];
-    }
-  }
-}
-
-DLLM_CPU_CLONES void normalize_transpose(const float* __restrict__ st,
-                                         const float* __restrict__ inv, int64_t T, int64_t M,
-                                         at::BFloat16* __restrict__ p_) {
-  uint16_t* __restrict__ p = reinterpret_cast<uint16_t*>(p_);
-  constexpr int64_t kB = 16;
-  for (int64_t r0 = 0; r0 < M; r0 += kB) {
-    const int64_t r1 = std::min(M, r0 + kB);
-    for (int64_t t0 = 0; t0 < T; t0 += kB) {
-      const int64_t t1 = std::min(T, t0 + kB);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = bf16_bits_rne(st[t * M + r] * inv[r]);
-    }
-  }
-}
-
-DLLM_CPU_CLONES void normalize_transpose(const float* __restrict__ st,
-                                         const float* __restrict__ inv, int64_t T, int64_t M,
-                                         at::Half* __restrict__ p) {
-  constexpr int64_t kB = 16;
-  for (int64_t r0 = 0; r0 < M; r0 += kB) {
-    const int64_t r1 = std::min(M, r0 + kB);
-    for (int64_t t0 = 0; t0 < T; t0 += kB) {
-      const int64_t t1 = std::min(T, t0 + kB);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = t0; t < t1; ++t) p[r * T + t] = static_cast<at::Half>(st[t * M + r] * inv[r]);
-    }
-  }
-}
-
-// dst[i] = src[i] rounded to the output dtype (round to nearest even).
-DLLM_CPU_CLONES void store_floats(const float* __restrict__ src, int64_t n, float* __restrict__ dst) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-DLLM_CPU_CLONES void store_floats(const float* __restrict__ src, int64_t n,
-                                  at::BFloat16* __restrict__ dst_) {
-  uint16_t* __restrict__ dst = reinterpret_cast<uint16_t*>(dst_);
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_rne(src[i]);
-}
-DLLM_CPU_CLONES void store_floats(const float* __restrict__ src, int64_t n,
-                                  at::Half* __restrict__ dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
-}
-
-// dst [cols, rows] = src [rows, cols]^T for 2- or 4-byte elements, 16x16 blocks.
-template <typename E>
-DLLM_CPU_CLONES void transpose_blocked(const E* __restrict__ src, int64_t rows, int64_t cols,
-                                       E* __restrict__ dst) {
-  constexpr int64_t kB = 16;
-  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
-    const int64_t r1 = std::min(rows, r0 + kB);
-    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
-      const int64_t c1 = std::min(cols, c0 + kB);
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
-    }
-  }
-}
-
-// probs_acc[qi, t] (+)= sum over the G heads of query qi of P[qi*G + g, t],
-// from the fp32 probabilities pf [M, T] (before any rounding to the gemm dtype).
-DLLM_CPU_CLONES void accumulate_head_probs(const float* __restrict__ pf, int64_t T, int64_t Qt,
-                                           int64_t G, bool first, float* __restrict__ acc,
-                                           int64_t acc_stride) {
-  for (int64_t qi = 0; qi < Qt; ++qi) {
-    float* __restrict__ out = acc + qi * acc_stride;
-    const float* rows = pf + qi * G * T;
-    if (first)
-      for (int64_t t = 0; t < T; ++t) out[t] = rows[t];
-    else
-      for (int64_t t = 0; t < T; ++t) out[t] += rows[t];
-    for (int64_t g = 1; g < G; ++g)
-      for (int64_t t = 0; t < T; ++t) out[t] += rows[g * T + t];
-  }
-}
-
-DLLM_CPU_CLONES void scale_rows(float* __restrict__ x, int64_t n, float s) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
-}
-
-// Sum of `parts` arrays of n floats spaced `stride` apart, times s.
-DLLM_CPU_CLONES void sum_parts(const float* __restrict__ parts, int64_t n_parts, int64_t stride,
-                               int64_t n, float s, float* __restrict__ out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = parts[i];
-  for (int64_t k = 1; k < n_parts; ++k)
-    for (int64_t i = 0; i < n; ++i) out[i] += parts[k * stride + i];
-  for (int64_t i = 0; i < n; ++i) out[i] *= s;
-}
-
 // C [m, n] = A [m, k] . B [k, n], row-major, fp32 C. ATen's exported
 // cpublas::brgemm without VNNI packing hands this to ATen's BLAS gemm (MKL's
 // bf16/fp16 -> fp32 and sgemm kernels in the stock wheels, AMX or AVX-512
@@ -365,7 +162,7 @@ struct AttnScratch {
 // One (b, kv head, query tile) unit: writes out rows, and (optionally) adds
 // the tile's head-summed probabilities into probs_acc (row stride T).
 template <typename T_>
-void attend_tile(const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+void attend_tile(cpu::Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
                  const T_* q, const T_* kc, const T_* vc, const bool* valid, float scale, T_* out,
                  AttnScratch<T_>& w, float* probs_acc, bool first_head) {
   const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
@@ -375,30 +172,32 @@ void attend_tile(const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t
     std::memcpy(w.q_rows.data() + qi * G * d, q + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d,
                 G * d * sizeof(T_));
   using E = std::conditional_t<sizeof(T_) == 2, uint16_t, float>;
-  transpose_blocked<E>(reinterpret_cast<const E*>(w.q_rows.data()), M, d,
-                       reinterpret_cast<E*>(w.qt.data()));
+  DLLM_ISA_CALL(isa, transpose_blocked<E>(reinterpret_cast<const E*>(w.q_rows.data()), M, d,
+                                          reinterpret_cast<E*>(w.qt.data())));
   const T_* K = kc + (b * s.H_kv + kvh) * T * d;
   const T_* V = vc + (b * s.H_kv + kvh) * T * d;
   gemm_f32acc<T_>(T, M, d, K, d, w.qt.data(), M, w.st.data(), M);
-  column_max(w.st.data(), valid, T, M, scale, w.mx.data());
-  column_exp_sum(w.st.data(), valid, T, M, scale, w.mx.data(), w.sum.data());
+  DLLM_ISA_CALL(isa, column_max(w.st.data(), valid, T, M, scale, w.mx.data()));
+  DLLM_ISA_CALL(isa, column_exp_sum(w.st.data(), valid, T, M, scale, w.mx.data(), w.sum.data()));
   for (int64_t r = 0; r < M; ++r) w.inv[r] = m::softmax_inv_sum(w.sum[r]);
   const T_* p = w.p.data();
   if (probs_acc) {
     // Stage P in fp32 so the head sums see unrounded probabilities.
-    normalize_transpose(w.st.data(), w.inv.data(), T, M, w.pf.data());
-    accumulate_head_probs(w.pf.data(), T, Qt, G, first_head, probs_acc, T);
+    DLLM_ISA_CALL(isa, normalize_transpose(w.st.data(), w.inv.data(), T, M, w.pf.data()));
+    DLLM_ISA_CALL(isa, accumulate_head_probs(w.pf.data(), T, Qt, G, first_head, probs_acc, T));
     if constexpr (std::is_same_v<T_, float>) {
       p = w.pf.data();
     } else {
-      store_floats(w.pf.data(), M * T, w.p.data());
+      DLLM_ISA_CALL(isa, store_floats(w.pf.data(), M * T, w.p.data()));
     }
   } else {
-    normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data());
+    DLLM_ISA_CALL(isa, normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data()));
   }
   gemm_f32acc<T_>(M, d, T, p, T, V, d, w.o.data(), d);
-  for (int64_t qi = 0; qi < Qt; ++qi)  // the G heads of a query are adjacent in out
-    store_floats(w.o.data() + qi * G * d, G * d, out + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d);
+  for (int64_t qi = 0; qi < Qt; ++qi) {  // the G heads of a query are adjacent in out
+    T_* dst = out + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d;
+    DLLM_ISA_CALL(isa, store_floats(w.o.data() + qi * G * d, G * d, dst));
+  }
 }
 
 // Queries per tile: enough rows (M = Qt * G ~ 64) for the gemms to run at
@@ -410,9 +209,9 @@ int64_t query_tile(const AttnShape& s) {
 }
 
 template <typename T_>
-void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, const T_* vc,
-                             const bool* key_valid, const int64_t* n_valid, float scale, T_* out,
-                             float* probs) {
+void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, const T_* kc,
+                             const T_* vc, const bool* key_valid, const int64_t* n_valid,
+                             float scale, T_* out, float* probs) {
   const int64_t Qt = query_tile(s);
   const int64_t n_tiles = (s.Q + Qt - 1) / Qt;
   const int64_t M = Qt * s.G;
@@ -426,7 +225,8 @@ void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, cons
 
   if (!probs) {
     // Independent units over (b, kv head, tile).
-    at::parallel_for(0, s.B * s.H_kv * n_tiles, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.B * s.H_kv * n_tiles, cpu::kGrainOneUnit,
+                     [&](int64_t begin, int64_t end) {
       AttnScratch<T_> w(M, s.T, s.d, probs != nullptr);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t tile = u % n_tiles, kvh = (u / n_tiles) % s.H_kv, b = u / (n_tiles * s.H_kv);
@@ -436,7 +236,7 @@ void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, cons
           continue;
         }
         const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
-        attend_tile(s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, nullptr, false);
+        attend_tile(isa, s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, nullptr, false);
       }
     });
     return;
@@ -457,7 +257,7 @@ void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, cons
     partial = at::empty({n_groups, s.B, s.Q, s.T}, at::kFloat);
     part = partial.data_ptr<float>();
   }
-  at::parallel_for(0, units_bt * n_groups, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units_bt * n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     AttnScratch<T_> w(M, s.T, s.d, probs != nullptr);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t grp = u % n_groups, tile = (u / n_groups) % n_tiles, b = u / (n_groups * n_tiles);
@@ -475,14 +275,15 @@ void sparse_attention_kernel(const AttnShape& s, const T_* q, const T_* kc, cons
       }
       const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
       for (int64_t kvh = h0; kvh < h1; ++kvh)
-        attend_tile(s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, acc, kvh == h0);
-      if (n_groups == 1) scale_rows(acc, Qt_ * s.T, inv_h);
+        attend_tile(isa, s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, acc, kvh == h0);
+      if (n_groups == 1) DLLM_ISA_CALL(isa, scale_rows(acc, Qt_ * s.T, inv_h));
     }
   });
   if (n_groups > 1) {
-    at::parallel_for(0, s.B * s.Q, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.B * s.Q, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
-        sum_parts(part + row * s.T, n_groups, part_stride, s.T, inv_h, probs + row * s.T);
+        DLLM_ISA_CALL(isa, sum_parts(part + row * s.T, n_groups, part_stride, s.T, inv_h,
+                                     probs + row * s.T));
     });
   }
 }
@@ -493,6 +294,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q,
                                                         const std::optional<at::Tensor>& key_valid,
                                                         double scale, bool return_probs) {
   check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
+  const cpu::Isa isa = cpu::active_isa("sparse_attention");
   AttnShape s{q.size(0), q.size(1), q.size(2), k_cache.size(1), 0, k_cache.size(2), q.size(3)};
   s.G = s.H / s.H_kv;
   const auto qc = q.contiguous();
@@ -514,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q,
   n_valid = n_valid.to(at::kLong).contiguous();
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
     sparse_attention_kernel<scalar_t>(
-        s, qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
+        isa, s, qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
         vc.const_data_ptr<scalar_t>(), valid_p, n_valid.const_data_ptr<int64_t>(),
         static_cast<float>(scale), out.mutable_data_ptr<scalar_t>(),
         return_probs ? probs.mutable_data_ptr<float>() : nullptr);
@@ -549,7 +351,7 @@ at::Tensor gather_rows_cpu(const at::Tensor& x, const at::Tensor& idx) {
   const char* xp = static_cast<const char*>(x.const_data_ptr());
   char* op_ = static_cast<char*>(out.mutable_data_ptr());
   const int64_t sb = x.stride(0) * es, st = x.stride(1) * es, sc = x.stride(2) * es;
-  at::parallel_for(0, B * Q, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, C * es)),
+  at::parallel_for(0, B * Q, cpu::grain_items(cpu::kGrainCopyBytes, C * es),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       char* dst = op_ + r * C * es;
@@ -576,7 +378,7 @@ void scatter_rows_cpu(const at::Tensor& dst, const at::Tensor& src, const at::Te
   const char* sp = static_cast<const char*>(src.const_data_ptr());
   const int64_t db = dst.stride(0) * es, dt = dst.stride(1) * es, dc = dst.stride(2) * es;
   const int64_t sb = src.stride(0) * es, sq = src.stride(1) * es, sc = src.stride(2) * es;
-  at::parallel_for(0, B * Q, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, C * es)),
+  at::parallel_for(0, B * Q, cpu::grain_items(cpu::kGrainCopyBytes, C * es),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t i = ip[r], b = r / Q, j = r % Q;

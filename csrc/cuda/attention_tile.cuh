@@ -13,9 +13,10 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
-#include "common/sparse_kv_math.h"
+#include "math/sparse_kv_math.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace dllm {
 namespace cuda {
@@ -31,6 +32,26 @@ struct AttnTile {
   static constexpr int kRows = kAttnWarps * kRowsPerWarp;
   static constexpr int kDim = DCH * kWarp;
 };
+
+// Calls f(std::integral_constant<int, DCH>) for d's head-dim class: every
+// attention launch instantiates its kernel for these three classes only.
+template <typename F>
+inline void with_head_dim_chunks(int d, F&& f) {
+  if (d <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (d <= 128)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
+}
+
+// Grid of an attention launch: (row tiles, KV heads, batch rows).
+template <int DCH>
+inline dim3 attn_grid(int B, int Q, int H, int H_kv) {
+  const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
+  return dim3(static_cast<unsigned>((rows + AttnTile<DCH>::kRows - 1) / AttnTile<DCH>::kRows),
+              static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
+}
 
 // Element offset of row r's query / output vector, in units of d.
 __device__ __forceinline__ int64_t attn_row_offset(int64_t b, int r, int Q, int H, int G, int kvh) {
@@ -94,6 +115,37 @@ struct WarpRows {
         const int i = lane + c * kWarp;
         if (i < d) acc[w][c] += pk * vs[kk][i];
       }
+    }
+  }
+
+  // Scores one tile of BK keys for each of this warp's rows and folds them
+  // in: lane l scores key l (key_ok false: masked, or past the tile).
+  template <int BK, int R, int DM, int KDM, int VDM>
+  __device__ __forceinline__ void fold_tile(const float (&qs)[R][DM], const float (&ks)[BK][KDM],
+                                            const float (&vs)[BK][VDM], bool key_ok, int row0,
+                                            int n_rows, int warp, int lane, int d, float scale) {
+#pragma unroll
+    for (int w = 0; w < RW; ++w) {
+      const int rr = warp * RW + w;
+      if (row0 + rr >= n_rows) break;  // warp-uniform
+      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
+      fold<BK>(w, s, vs, d, lane);
+    }
+  }
+
+  // Stores each of this warp's rows (see store) to its place in out
+  // [B, Q, H, d], then calls on_row(w, o) with o its row offset in units of d.
+  template <typename T, typename OnRow>
+  __device__ __forceinline__ void store_rows(T* __restrict__ out, int64_t b, int row0, int n_rows,
+                                             int Q, int H, int G, int kvh, int warp, int lane,
+                                             int d, OnRow on_row) const {
+#pragma unroll
+    for (int w = 0; w < RW; ++w) {
+      const int r = row0 + warp * RW + w;
+      if (r >= n_rows) break;
+      const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
+      store(w, out + o * d, d, lane);
+      on_row(w, o);
     }
   }
 

@@ -5,7 +5,7 @@
 #pragma once
 
 #include "cudasim/cuda_compat.cuh"
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cstdint>
 
@@ -36,17 +36,23 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Butterfly all-reduce: every lane ends with combine() over the 32 lanes, in
+// the same order on every lane (so a float sum is the same on each).
+template <typename T, typename Combine>
+__device__ __forceinline__ T warp_allreduce(T v, Combine combine) {
 #pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    v = combine(v, __shfl_xor_sync(kFullMask, v, offset));
   return v;
 }
 
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+  return warp_allreduce(v, [](T a, T b) { return a + b; });
+}
+
 __device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
+  return warp_allreduce(v, [](float a, float b) { return fmaxf(a, b); });
 }
 
 // Threads per block for a row-per-block reduction over `n` elements: enough

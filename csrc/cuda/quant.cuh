@@ -2,16 +2,16 @@
 // grouped K quantization with top-p protected tokens, V quantization, both
 // dequantizations, the p = 0 K reconstruction error, and flash-style softmax
 // attention that dequantizes the packed cache tile by tile in shared memory.
-// Element math: common/quant_math.h (shared with the CPU kernels, so codes,
-// scales and mins are bit-identical); softmax state: common/sparse_kv_math.h.
+// Element math: math/quant_math.h (shared with the CPU kernels, so codes,
+// scales and mins are bit-identical); softmax state: math/sparse_kv_math.h.
 //
 // Data-dependent faults set bits of a device status word (math::QuantStatus)
 // that the glue reads back once per call.
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
-#include "common/quant_math.h"
-#include "common/sparse_kv_math.h"
+#include "math/quant_math.h"
+#include "math/sparse_kv_math.h"
 #include "cuda/attention_tile.cuh"
 
 #include <algorithm>
@@ -25,34 +25,50 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int kMaxChunks = math::kQuantMaxHeadDim / kWarp;  // 32-channel chunks of a row
 
-// A packed K cache (K packed along tokens):
-//   codes    [B, H_kv, rows, d] uint8, rows = n_groups * G * bits / 8; byte (r, c)
-//            holds token r * (8 / bits) + j of channel c at bits [bits*j, bits*j + bits)
+// A packed K cache (K packed along tokens; sizes: math/quant_math.h "packed
+// layout"):
+//   codes    [B, H_kv, rows, d] uint8; byte (r, c) holds token r * (8 / bits) + j
+//            of channel c at bits [bits*j, bits*j + bits)
 //   scale, mn [B, H_kv, n_groups, d]
 //   prot_idx [B, H_kv, n_groups, p] uint8 in-group token index, 255 = unused slot
 //   prot_val [B, H_kv, n_groups, p, d] the protected tokens' original values
-template <typename T>
-struct PackedK {
-  const uint8_t* codes;
-  const T* scale;
-  const T* mn;
-  const uint8_t* prot_idx;
-  const T* prot_val;
+// PackedK is what the kernels read, PackedKOut what quantize_k writes.
+template <typename T, typename Byte = const uint8_t, typename Elem = const T>
+struct PackedKView {
+  Byte* codes;
+  Elem* scale;
+  Elem* mn;
+  Byte* prot_idx;
+  Elem* prot_val;
   int bits, G, p, n_groups;
   int64_t rows;
 };
+template <typename T>
+using PackedK = PackedKView<T>;
+template <typename T>
+using PackedKOut = PackedKView<T, uint8_t, T>;
 
 // A packed V cache (V packed along channels):
-//   codes [B, H_kv, T, row_bytes] uint8, row_bytes = d * bits / 8; byte (t, r)
-//         holds channel r * (8 / bits) + j at bits [bits*j, bits*j + bits)
-//   scale, mn [B, H_kv, T, n_groups], n_groups = d / G
-template <typename T>
-struct PackedV {
-  const uint8_t* codes;
-  const T* scale;
-  const T* mn;
+//   codes [B, H_kv, T, row_bytes] uint8; byte (t, r) holds channel
+//         r * (8 / bits) + j at bits [bits*j, bits*j + bits)
+//   scale, mn [B, H_kv, T, n_groups]
+template <typename T, typename Byte = const uint8_t, typename Elem = const T>
+struct PackedVView {
+  Byte* codes;
+  Elem* scale;
+  Elem* mn;
   int bits, G, n_groups;
   int64_t row_bytes;
+};
+template <typename T>
+using PackedV = PackedVView<T>;
+template <typename T>
+using PackedVOut = PackedVView<T, uint8_t, T>;
+
+// Sizes of a [B, H_kv, T, d] cache (contiguous).
+struct CacheDims {
+  int64_t B;
+  int H, T, d;
 };
 
 __device__ __forceinline__ void report(int* status, int bits) {
@@ -192,18 +208,25 @@ __global__ void __launch_bounds__(kThreads)
   report(status, bad);
 }
 
-// imp: fp32 [B, T] (imp_per_head = 0) or [B, H, T] (1); may be null when p = 0.
 template <typename T>
-void launch_quantize_k(const T* k, const float* imp, int imp_per_head, uint8_t* codes, T* scale,
-                       T* mn, uint8_t* prot_idx, T* prot_val, int* status, int64_t B, int H,
-                       int T_len, int d, int G, int bits, int p, stream_t stream) {
-  const int n_groups = (T_len + G - 1) / G;
-  const int64_t blocks = B * H * n_groups;
+struct QuantizeKParams {
+  const T* k;                // [B, H_kv, T, d]
+  const float* importance;   // fp32 [B, T] or [B, H_kv, T]; null when out.p == 0
+  bool importance_per_head;  // importance is [B, H_kv, T]
+  PackedKOut<T> out;         // with the layout's bits, G, p, n_groups, rows
+  int* status;               // math::QuantStatus bits
+  CacheDims dims;
+};
+
+template <typename T>
+void launch_quantize_k(const QuantizeKParams<T>& p, stream_t stream) {
+  const PackedKOut<T>& o = p.out;
+  const int64_t blocks = p.dims.B * p.dims.H * o.n_groups;
   if (blocks == 0) return;
-  const int64_t rows = static_cast<int64_t>(n_groups) * G / math::codes_per_byte(bits);
   DLLM_LAUNCH(quantize_k_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
-              k, imp, imp_per_head, codes, scale, mn, prot_idx, prot_val, status, H, T_len, d, G,
-              bits, p, n_groups, rows);
+              p.k, p.importance, p.importance_per_head ? 1 : 0, o.codes, o.scale, o.mn, o.prot_idx,
+              o.prot_val, p.status, p.dims.H, p.dims.T, p.dims.d, o.G, o.bits, o.p, o.n_groups,
+              o.rows);
 }
 
 // ============================================================================
@@ -245,13 +268,21 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-void launch_k_quant_error(const T* k, float* err, int* status, int64_t B, int H, int T_len, int d,
-                          int G, int bits, stream_t stream) {
-  const int n_groups = (T_len + G - 1) / G;
-  const int64_t blocks = B * H * n_groups;
+struct KQuantErrorParams {
+  const T* k;   // [B, H_kv, T, d]
+  float* err;   // [B, H_kv, T]
+  int* status;  // math::QuantStatus bits
+  CacheDims dims;
+  int G, bits;
+};
+
+template <typename T>
+void launch_k_quant_error(const KQuantErrorParams<T>& p, stream_t stream) {
+  const int n_groups = static_cast<int>(math::packed_k_groups(p.dims.T, p.G));
+  const int64_t blocks = p.dims.B * p.dims.H * n_groups;
   if (blocks == 0) return;
   DLLM_LAUNCH(k_quant_error_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
-              stream, k, err, status, T_len, d, G, bits, n_groups);
+              stream, p.k, p.err, p.status, p.dims.T, p.dims.d, p.G, p.bits, n_groups);
 }
 
 // ============================================================================
@@ -297,12 +328,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-void launch_dequantize_k(PackedK<T> pk, T* out, int* status, int64_t B, int H, int T_len, int d,
-                         stream_t stream) {
-  const int64_t blocks = B * H * pk.n_groups;
+struct DequantizeKParams {
+  PackedK<T> packed;
+  T* out;       // [B, H_kv, T, d]
+  int* status;  // math::QuantStatus bits
+  CacheDims dims;
+};
+
+template <typename T>
+void launch_dequantize_k(const DequantizeKParams<T>& p, stream_t stream) {
+  const int64_t blocks = p.dims.B * p.dims.H * p.packed.n_groups;
   if (blocks == 0) return;
   DLLM_LAUNCH(dequantize_k_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
-              stream, pk, out, status, T_len, d);
+              stream, p.packed, p.out, p.status, p.dims.T, p.dims.d);
 }
 
 // ============================================================================
@@ -378,12 +416,21 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-void launch_quantize_v(const T* v, uint8_t* codes, T* scale, T* mn, int* status, int64_t n_rows,
-                       int d, int G, int bits, stream_t stream) {
-  if (n_rows == 0) return;
-  const int64_t blocks = (n_rows + kWarps - 1) / kWarps;
+struct QuantizeVParams {
+  const T* v;      // n_rows rows of d values
+  PackedVOut<T> out;
+  int* status;     // math::QuantStatus bits
+  int64_t n_rows;  // B * H_kv * T
+  int d;
+};
+
+template <typename T>
+void launch_quantize_v(const QuantizeVParams<T>& p, stream_t stream) {
+  if (p.n_rows == 0) return;
+  const int64_t blocks = (p.n_rows + kWarps - 1) / kWarps;
   DLLM_LAUNCH(quantize_v_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
-              v, codes, scale, mn, status, n_rows, d, G, bits);
+              p.v, p.out.codes, p.out.scale, p.out.mn, p.status, p.n_rows, p.d, p.out.G,
+              p.out.bits);
 }
 
 // ============================================================================
@@ -398,8 +445,11 @@ __device__ __forceinline__ float v_value(const PackedV<T>& pv, int64_t row, int 
   return math::dequant_value(code, to_float(pv.scale[grp]), to_float(pv.mn[grp]));
 }
 
+constexpr int kFlatThreads = 256;     // elementwise kernels: threads per block
+constexpr int kFlatMaxBlocks = 4096;  // grid-stride beyond this many blocks
+
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kFlatThreads)
     dequantize_v_kernel(PackedV<T> pv, T* __restrict__ out, int64_t total, int d) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -407,12 +457,20 @@ __global__ void __launch_bounds__(256)
 }
 
 template <typename T>
-void launch_dequantize_v(PackedV<T> pv, T* out, int64_t n_rows, int d, stream_t stream) {
-  const int64_t total = n_rows * d;
+struct DequantizeVParams {
+  PackedV<T> packed;
+  T* out;          // n_rows rows of d values
+  int64_t n_rows;  // B * H_kv * T
+  int d;
+};
+
+template <typename T>
+void launch_dequantize_v(const DequantizeVParams<T>& p, stream_t stream) {
+  const int64_t total = p.n_rows * p.d;
   if (total == 0) return;
-  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
-  DLLM_LAUNCH(dequantize_v_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, pv,
-              out, total, d);
+  const int64_t blocks = std::min<int64_t>((total + kFlatThreads - 1) / kFlatThreads, kFlatMaxBlocks);
+  DLLM_LAUNCH(dequantize_v_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kFlatThreads), 0,
+              stream, p.packed, p.out, total, p.d);
 }
 
 // ============================================================================
@@ -486,52 +544,37 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     __syncthreads();
     const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
-#pragma unroll
-    for (int w = 0; w < RW; ++w) {
-      const int rr = warp * RW + w;
-      if (row0 + rr >= n_rows) break;  // warp-uniform
-      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
-      rows.template fold<BK>(w, s, vs, d, lane);
-    }
+    rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
-
-#pragma unroll
-  for (int w = 0; w < RW; ++w) {
-    const int r = row0 + warp * RW + w;
-    if (r >= n_rows) break;
-    rows.store(w, out + attn_row_offset(b, r, Q, H, G, kvh) * d, d, lane);
-  }
+  rows.store_rows(out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [](int, int64_t) {});
 }
+
+// All tensors contiguous. Requires 0 < d <= 256, H % H_kv == 0, T > 0.
+template <typename Scalar>
+struct QuantAttentionParams {
+  const Scalar* q;        // [B, Q, H, d]
+  PackedK<Scalar> k;      // T keys
+  PackedV<Scalar> v;
+  const bool* key_valid;  // [B, T], or null (every key valid)
+  float scale;
+  Scalar* out;            // [B, Q, H, d]
+  int* status;            // math::QuantStatus bits (corrupt prot_idx)
+  int B, Q, H, H_kv, T, d;
+};
 
 template <typename T, int DCH>
-void launch_quant_attention_d(const T* q, PackedK<T> pk, PackedV<T> pv, const bool* key_valid,
-                              float scale, T* out, int* status, int B, int Q, int H, int H_kv,
-                              int T_len, int d, stream_t stream) {
-  using Tile = AttnTile<DCH>;
-  const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
-  const dim3 grid(static_cast<unsigned>((rows + Tile::kRows - 1) / Tile::kRows),
-                  static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
+void launch_quant_attention_d(const QuantAttentionParams<T>& p, stream_t stream) {
   const auto kernel = quant_attention_kernel<T, DCH>;  // a template-id with a comma is no macro arg
-  DLLM_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, q, pk, pv, key_valid, scale, out, status, Q,
-              H, H_kv, T_len, d);
+  DLLM_LAUNCH(kernel, attn_grid<DCH>(p.B, p.Q, p.H, p.H_kv), dim3(kAttnThreads), 0, stream, p.q,
+              p.k, p.v, p.key_valid, p.scale, p.out, p.status, p.Q, p.H, p.H_kv, p.T, p.d);
 }
 
-// out [B, Q, H, d]. Requires 0 < d <= 256, H % H_kv == 0, T_len > 0, all
-// tensors contiguous.
 template <typename T>
-void launch_quant_attention(const T* q, PackedK<T> pk, PackedV<T> pv, const bool* key_valid,
-                            float scale, T* out, int* status, int B, int Q, int H, int H_kv,
-                            int T_len, int d, stream_t stream) {
-  if (B == 0 || Q == 0 || H == 0) return;
-  if (d <= 64)
-    launch_quant_attention_d<T, 2>(q, pk, pv, key_valid, scale, out, status, B, Q, H, H_kv, T_len,
-                                   d, stream);
-  else if (d <= 128)
-    launch_quant_attention_d<T, 4>(q, pk, pv, key_valid, scale, out, status, B, Q, H, H_kv, T_len,
-                                   d, stream);
-  else
-    launch_quant_attention_d<T, 8>(q, pk, pv, key_valid, scale, out, status, B, Q, H, H_kv, T_len,
-                                   d, stream);
+void launch_quant_attention(const QuantAttentionParams<T>& p, stream_t stream) {
+  if (p.B == 0 || p.Q == 0 || p.H == 0) return;
+  with_head_dim_chunks(p.d, [&](auto dch) {
+    launch_quant_attention_d<T, decltype(dch)::value>(p, stream);
+  });
 }
 
 }  // namespace quant

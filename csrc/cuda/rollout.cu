@@ -1,10 +1,10 @@
 // Launch glue of the `rollout` family: validation, scratch, dtype dispatch,
 // launch, and the read-back of the kernels' status word (data-dependent
-// faults: index range, duplicates, non-finite values). The read-back syncs
-// the stream once per call; the op's result feeds a host-side plan anyway.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/rollout_checks.h"
+// faults: index range, duplicates, non-finite values; aten/cuda_glue.h
+// KernelStatus). The op's result feeds a host-side plan anyway.
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/rollout_checks.h"
 #include "cuda/rollout.cuh"
 
 namespace dllm {
@@ -14,8 +14,7 @@ at::Tensor rollout_scores_cuda(const at::Tensor& probs_rows, const at::Tensor& r
                                const at::Tensor& valid) {
   constexpr const char* op = "rollout_scores";
   check_rollout_scores(probs_rows, row_idx, valid);
-  check_kernel_device(probs_rows, op, "probs_rows");
-  DLLM_CUDA_GUARD(probs_rows);
+  DLLM_CUDA_ENTER(op, probs_rows, "probs_rows");
   const int64_t L = probs_rows.size(0), B = probs_rows.size(1), Q = probs_rows.size(2),
                 T = probs_rows.size(3);
   DLLM_CHECK(B <= 65535, op, "B must be <= 65535 (one grid z-slice per batch row), got ", B);
@@ -30,16 +29,18 @@ at::Tensor rollout_scores_cuda(const at::Tensor& probs_rows, const at::Tensor& r
   auto row_sum = at::empty({sizes.row_sum}, f64);
   auto inv = at::empty({sizes.inv}, probs_rows.options().dtype(at::kInt));
   auto partial = at::empty({sizes.partial}, f64);
-  auto status = at::zeros({1}, probs_rows.options().dtype(at::kInt));
+  StatusWord status(probs_rows);
   const cuda::RolloutScratch scratch{v.mutable_data_ptr<double>(), row_sum.mutable_data_ptr<double>(),
                                      inv.mutable_data_ptr<int>(), partial.mutable_data_ptr<double>()};
   DLLM_DISPATCH_FLOATING_TYPES(probs_rows.scalar_type(), "dllm::rollout_scores", [&] {
-    cuda::launch_rollout_scores(kernel_ptr<scalar_t>(pc), ic.const_data_ptr<int64_t>(),
-                                vc.const_data_ptr<bool>(), out.mutable_data_ptr<float>(), L, B, Q,
-                                T, scratch, status.mutable_data_ptr<int>(), DLLM_CUDA_STREAM());
+    cuda::launch_rollout_scores<kernel_t<scalar_t>>(
+        {.probs = kernel_ptr<scalar_t>(pc), .row_idx = ic.const_data_ptr<int64_t>(),
+         .valid = vc.const_data_ptr<bool>(), .out = out.mutable_data_ptr<float>(), .L = L, .B = B,
+         .Q = Q, .T = T, .scratch = scratch, .status = status.data()},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
-  throw_rollout_status(status.item<int>(), T);
+  raise_rollout_status(status.read()[0], T);
   return out;
 }
 
@@ -47,25 +48,26 @@ at::Tensor nucleus_select_cuda(const at::Tensor& scores, const at::Tensor& candi
                                int64_t min_k) {
   constexpr const char* op = "nucleus_select";
   check_nucleus_select(scores, candidate, p, min_k);
-  check_kernel_device(scores, op, "scores");
-  DLLM_CUDA_GUARD(scores);
+  DLLM_CUDA_ENTER(op, scores, "scores");
   const int64_t B = scores.size(0), T = scores.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto sc = scores.contiguous();
   const auto cc = candidate.contiguous();
   auto out = at::empty({B, T}, scores.options().dtype(at::kBool));
   if (out.numel() == 0) return out;
   auto scratch = at::empty({cuda::nucleus_scratch_elems(B, T)}, scores.options().dtype(at::kLong));
-  auto status = at::zeros({1}, scores.options().dtype(at::kInt));
+  StatusWord status(scores);
   uint64_t* keys = scratch.numel() ? reinterpret_cast<uint64_t*>(scratch.mutable_data_ptr<int64_t>())
                                    : nullptr;
   DLLM_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "dllm::nucleus_select", [&] {
-    cuda::launch_nucleus_select(kernel_ptr<scalar_t>(sc), cc.const_data_ptr<bool>(),
-                                out.mutable_data_ptr<bool>(), B, T, p, min_k, keys,
-                                status.mutable_data_ptr<int>(), DLLM_CUDA_STREAM());
+    cuda::launch_nucleus_select<kernel_t<scalar_t>>(
+        {.scores = kernel_ptr<scalar_t>(sc), .candidate = cc.const_data_ptr<bool>(),
+         .out = out.mutable_data_ptr<bool>(), .B = B, .T = T, .p = p, .min_k = min_k,
+         .scratch = keys, .status = status.data()},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
-  throw_nucleus_status(status.item<int>());
+  raise_nucleus_status(status.read()[0]);
   return out;
 }
 

@@ -1,4 +1,4 @@
-// ATen-free CUDA kernels of the `rollout` family (math: common/rollout_math.h).
+// ATen-free CUDA kernels of the `rollout` family (math: math/rollout_math.h).
 //
 // rollout_scores: the layers are sequential (layer l reads the v that layer
 // l+1 wrote), so every layer is its own launch; inside a layer all B·T columns
@@ -22,7 +22,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"
-#include "common/rollout_math.h"
+#include "math/rollout_math.h"
 
 namespace dllm {
 namespace cuda {
@@ -31,12 +31,6 @@ constexpr int kRolloutColThreads = 128;  // columns per layer block, one per thr
 constexpr int kRolloutRowChunk = 128;    // rows per layer block (coefficients in smem)
 constexpr int kRolloutPrepThreads = 128; // 4 warps = 4 rows per prep block
 constexpr int kRolloutFlatThreads = 256;
-
-__device__ __forceinline__ double warp_sum_double(double v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
 
 // Scratch sizes (elements) the caller allocates for launch_rollout_scores.
 struct RolloutScratchSizes {
@@ -114,7 +108,7 @@ __global__ void rollout_prep_kernel(const T* __restrict__ probs, const int64_t* 
     s += x;
   }
   if (!ok) atomicOr(status, static_cast<int>(math::kRolloutBadProb));
-  s = warp_sum_double(s);
+  s = warp_sum(s);
   if (lane == 0) row_sum[n] = s;
 }
 
@@ -185,12 +179,27 @@ inline unsigned flat_blocks(int64_t n, int threads) {
   return static_cast<unsigned>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
 }
 
-// probs [L,B,Q,T], idx [L,B,Q], valid [B,T] -> out [B,T]. `status` must be 0 on
-// entry; it holds RolloutStatus bits when this returns (after a sync).
+// All tensors contiguous.
+template <typename Scalar>
+struct RolloutScoresParams {
+  const Scalar* probs;     // [L, B, Q, T]
+  const int64_t* row_idx;  // [L, B, Q]
+  const bool* valid;       // [B, T]
+  float* out;              // [B, T]
+  int64_t L, B, Q, T;
+  RolloutScratch scratch;  // sized by rollout_scratch_sizes
+  int* status;             // zeroed; math::RolloutStatus bits once the launches ran
+};
+
 template <typename T>
-void launch_rollout_scores(const T* probs, const int64_t* idx, const bool* valid, float* out,
-                           int64_t L, int64_t B, int64_t Q, int64_t T_len,
-                           const RolloutScratch& s, int* status, stream_t stream) {
+void launch_rollout_scores(const RolloutScoresParams<T>& p, stream_t stream) {
+  const int64_t L = p.L, B = p.B, Q = p.Q, T_len = p.T;
+  const RolloutScratch& s = p.scratch;
+  const T* probs = p.probs;
+  const int64_t* idx = p.row_idx;
+  const bool* valid = p.valid;
+  float* out = p.out;
+  int* status = p.status;
   const int64_t BT = B * T_len;
   if (BT == 0) return;
   const int flat = kRolloutFlatThreads;
@@ -308,20 +317,30 @@ __global__ void nucleus_select_kernel(const T* __restrict__ scores, const bool* 
   for (int64_t t = threadIdx.x; t < keep; t += blockDim.x) o[math::nucleus_key_pos(keys[t])] = true;
 }
 
-// scores [B,T], cand [B,T] -> out [B,T]. `scratch` has nucleus_scratch_elems
-// elements (may be null when that is 0); `status` must be 0 on entry.
+// All tensors contiguous.
+template <typename Scalar>
+struct NucleusSelectParams {
+  const Scalar* scores;   // [B, T]
+  const bool* candidate;  // [B, T]
+  bool* out;              // [B, T]
+  int64_t B, T;
+  double p;
+  int64_t min_k;
+  uint64_t* scratch;      // nucleus_scratch_elems(B, T) keys; may be null when that is 0
+  int* status;            // zeroed; math::NucleusStatus bits
+};
+
 template <typename T>
-void launch_nucleus_select(const T* scores, const bool* cand, bool* out, int64_t B, int64_t T_len,
-                           double p, int64_t min_k, uint64_t* scratch, int* status,
-                           stream_t stream) {
-  if (B == 0 || T_len == 0) return;
-  const int64_t N = nucleus_sort_len(T_len);
+void launch_nucleus_select(const NucleusSelectParams<T>& p, stream_t stream) {
+  if (p.B == 0 || p.T == 0) return;
+  const int64_t N = nucleus_sort_len(p.T);
   const bool in_smem = N <= kNucleusSmemKeys;
   const int64_t half = N / 2;
   const int threads = half <= 32 ? 32 : (half >= 512 ? 512 : static_cast<int>(half));
   const size_t smem = in_smem ? static_cast<size_t>(N) * sizeof(uint64_t) : 0;
-  DLLM_LAUNCH(nucleus_select_kernel<T>, dim3(static_cast<unsigned>(B)), dim3(threads), smem, stream,
-              scores, cand, out, in_smem ? nullptr : scratch, status, T_len, N, p, min_k);
+  DLLM_LAUNCH(nucleus_select_kernel<T>, dim3(static_cast<unsigned>(p.B)), dim3(threads), smem,
+              stream, p.scores, p.candidate, p.out, in_smem ? nullptr : p.scratch, p.status, p.T, N,
+              p.p, p.min_k);
 }
 
 }  // namespace cuda

@@ -1,49 +1,29 @@
 // Launch glue of the `select` family: validation, dtype dispatch, launch.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/select_checks.h"
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/select_checks.h"
 #include "cuda/select.cuh"
-
-#if !defined(CUDASIM)
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#endif
 
 namespace dllm {
 namespace {
 
 at::Tensor cosine_drift_cuda(const at::Tensor& x, const at::Tensor& x_prev) {
   check_cosine_drift(x, x_prev);
-  check_kernel_device(x, "cosine_drift", "x");
-  DLLM_CUDA_GUARD(x);
+  DLLM_CUDA_ENTER("cosine_drift", x, "x");
   const auto xc = x.contiguous();
   const auto yc = x_prev.contiguous();
   const int64_t D = x.size(-1);
   const int64_t rows = x.numel() / D;
-  DLLM_CHECK(rows <= INT32_MAX, "cosine_drift", "too many rows (", rows, ") for one launch");
+  check_launch_rows("cosine_drift", rows);
   auto out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   DLLM_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dllm::cosine_drift", [&] {
-    cuda::launch_cosine_drift(kernel_ptr<scalar_t>(xc), kernel_ptr<scalar_t>(yc),
-                              out.mutable_data_ptr<float>(), rows, D, DLLM_CUDA_STREAM());
+    cuda::launch_cosine_drift<kernel_t<scalar_t>>(
+        {.x = kernel_ptr<scalar_t>(xc), .x_prev = kernel_ptr<scalar_t>(yc),
+         .out = out.mutable_data_ptr<float>(), .rows = rows, .D = D},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
   return out;
-}
-
-// ---- value checks reported by the kernels ------------------------------------
-// The kernels OR problems (NaN, out-of-range k or ids, overflow) into a
-// device int; reading it back is the one sync these ops make. While the
-// stream is being captured into a CUDA graph no sync is possible: the check
-// is skipped and the documented fallback outputs stand.
-
-at::Tensor new_status(const at::Tensor& like) {
-  return at::zeros({1}, like.options().dtype(at::kInt));
-}
-
-int read_status(const at::Tensor& status) {
-#if !defined(CUDASIM)
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return 0;
-#endif
-  return status.item<int>();
 }
 
 // ---- token_confidence ------------------------------------------------------------
@@ -55,36 +35,39 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cuda(const at::Tensor& logit
   constexpr const char* op = "token_confidence";
   check_token_confidence(logits, temperature, suppress, noise);
   const int conf_mode = parse_conf_mode(mode);
-  check_kernel_device(logits, op, "logits");
-  DLLM_CUDA_GUARD(logits);
+  DLLM_CUDA_ENTER(op, logits, "logits");
   const int64_t N = logits.size(0), V = logits.size(1);
-  DLLM_CHECK(N <= INT32_MAX, op, "too many rows (", N, ") for one launch");
+  check_launch_rows(op, N);
   const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
   at::Tensor g;
   if (noise) g = noise->stride(1) == 1 ? *noise : noise->contiguous();
   auto token = at::empty({N}, logits.options().dtype(at::kLong));
   auto score = at::empty({N}, logits.options().dtype(at::kFloat));
-  auto status = new_status(logits);
+  StatusWord status(logits);
   const auto stream = DLLM_CUDA_STREAM();
   at::Tensor bits;
   if (suppress && suppress->numel() > 0) {
     const auto ids = suppress->contiguous();
     bits = at::zeros({(V + 31) / 32}, logits.options().dtype(at::kInt));
-    cuda::launch_suppress_bits(ids.const_data_ptr<int64_t>(), ids.numel(), V,
-                               reinterpret_cast<unsigned*>(bits.mutable_data_ptr<int32_t>()),
-                               status.mutable_data_ptr<int>(), stream);
+    cuda::launch_suppress_bits(
+        {.ids = ids.const_data_ptr<int64_t>(), .n = ids.numel(), .V = V,
+         .bits = reinterpret_cast<unsigned*>(bits.mutable_data_ptr<int32_t>()),
+         .status = status.data()},
+        stream);
     DLLM_CUDA_LAUNCH_CHECK();
   }
   DLLM_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "dllm::token_confidence", [&] {
-    cuda::launch_token_confidence(
-        kernel_ptr<scalar_t>(x), x.stride(0), N, static_cast<int32_t>(V), conf_mode, temperature,
-        noise ? g.const_data_ptr<float>() : nullptr, noise ? g.stride(0) : 0,
-        bits.defined() ? reinterpret_cast<const unsigned*>(bits.const_data_ptr<int32_t>()) : nullptr,
-        token.mutable_data_ptr<int64_t>(), score.mutable_data_ptr<float>(),
-        status.mutable_data_ptr<int>(), stream);
+    cuda::launch_token_confidence<kernel_t<scalar_t>>(
+        {.logits = kernel_ptr<scalar_t>(x), .logits_row_stride = x.stride(0), .N = N,
+         .V = static_cast<int32_t>(V), .mode = conf_mode, .temperature = temperature,
+         .noise = optional_ptr<float>(g), .noise_row_stride = noise ? g.stride(0) : 0,
+         .suppress_bits = reinterpret_cast<const unsigned*>(optional_ptr<int32_t>(bits)),
+         .token = token.mutable_data_ptr<int64_t>(), .score = score.mutable_data_ptr<float>(),
+         .status = status.data()},
+        stream);
   });
   DLLM_CUDA_LAUNCH_CHECK();
-  if (read_status(status)) token_confidence_raise(logits, suppress, noise, score);
+  raise_token_confidence_status(status.read()[0], logits, suppress, noise, score);
   return {token, score};
 }
 
@@ -96,28 +79,28 @@ at::Tensor select_transfer_cuda(const at::Tensor& score, const at::Tensor& candi
   constexpr const char* op = "select_transfer";
   const auto rule = parse_transfer_rule(rule_name);
   check_select_transfer(score, candidate, rule, k, threshold, factor);
-  check_kernel_device(score, op, "score");
-  DLLM_CUDA_GUARD(score);
+  DLLM_CUDA_ENTER(op, score, "score");
   const int64_t B = score.size(0), L = score.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto sc = score.contiguous();
   const auto cc = candidate.contiguous();
   at::Tensor kc;
   if (k) kc = k->contiguous();
   auto out = at::empty({B, L}, candidate.options());
-  auto status = new_status(score);
+  StatusWord status(score);
   at::Tensor ranks;
   if (rule == math::kRuleFactor) ranks = at::empty({B, L}, score.options().dtype(at::kInt));
   DLLM_DISPATCH_FLOATING_TYPES(score.scalar_type(), "dllm::select_transfer", [&] {
-    cuda::launch_select_transfer(kernel_ptr<scalar_t>(sc), cc.const_data_ptr<bool>(), B,
-                                 static_cast<int32_t>(L), rule,
-                                 k ? kc.const_data_ptr<int64_t>() : nullptr, threshold, factor,
-                                 out.mutable_data_ptr<bool>(),
-                                 ranks.defined() ? ranks.mutable_data_ptr<int32_t>() : nullptr,
-                                 status.mutable_data_ptr<int>(), DLLM_CUDA_STREAM());
+    cuda::launch_select_transfer<kernel_t<scalar_t>>(
+        {.score = {kernel_ptr<scalar_t>(sc), cc.const_data_ptr<bool>(), B,
+                   static_cast<int32_t>(L)},
+         .rule = rule, .k = optional_ptr<int64_t>(kc), .threshold = threshold, .factor = factor,
+         .out = out.mutable_data_ptr<bool>(),
+         .rank_scratch = optional_mut_ptr<int32_t>(ranks), .status = status.data()},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
-  if (read_status(status)) select_transfer_raise(score, candidate, k);
+  raise_select_transfer_status(status.read()[0], score, candidate, k);
   return out;
 }
 
@@ -127,62 +110,47 @@ at::Tensor certainty_density_cuda(const at::Tensor& decoded, double sigma, bool 
                                   bool right_known) {
   constexpr const char* op = "certainty_density";
   check_certainty_density(decoded, sigma);
-  check_kernel_device(decoded, op, "decoded");
-  DLLM_CUDA_GUARD(decoded);
+  DLLM_CUDA_ENTER(op, decoded, "decoded");
   const int64_t B = decoded.size(0), G = decoded.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto dc = decoded.contiguous();
   auto out = at::empty({B, G}, decoded.options().dtype(at::kFloat));
-  cuda::launch_certainty_density(dc.const_data_ptr<bool>(), B, static_cast<int32_t>(G), sigma,
-                                 left_known, right_known, out.mutable_data_ptr<float>(),
-                                 DLLM_CUDA_STREAM());
+  cuda::launch_certainty_density(
+      {.decoded = dc.const_data_ptr<bool>(), .B = B, .G = static_cast<int32_t>(G), .sigma = sigma,
+       .left_known = left_known, .right_known = right_known, .out = out.mutable_data_ptr<float>()},
+      DLLM_CUDA_STREAM());
   DLLM_CUDA_LAUNCH_CHECK();
   return out;
 }
 
 // ---- drift_select / drift_select_threshold ---------------------------------------
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cuda_impl(
-    const char* op, const at::Tensor& drift, const at::Tensor& region, bool by_fraction,
-    double param, int64_t max_recompute) {
+DriftSelectResult drift_select_cuda(const DriftRule& rule, const at::Tensor& drift,
+                                    const at::Tensor& region, int64_t max_recompute) {
+  const char* op = rule.op;
   check_drift_select(op, drift, region, max_recompute);
-  check_kernel_device(drift, op, "drift");
-  DLLM_CUDA_GUARD(drift);
+  DLLM_CUDA_ENTER(op, drift, "drift");
   const int64_t B = drift.size(0), T = drift.size(1);
-  DLLM_CHECK(B <= INT32_MAX, op, "too many rows (", B, ") for one launch");
+  check_launch_rows(op, B);
   const auto dc = drift.contiguous();
   const auto rc = region.contiguous();
   auto reuse = at::empty({B, T}, region.options());
   auto idx = at::empty({B, max_recompute}, region.options().dtype(at::kInt));
   auto count = at::empty({B}, region.options().dtype(at::kInt));
-  auto status = new_status(drift);
+  StatusWord status(drift);
   DLLM_DISPATCH_FLOATING_TYPES(drift.scalar_type(), "dllm::drift_select", [&] {
-    cuda::launch_drift_select(kernel_ptr<scalar_t>(dc), rc.const_data_ptr<bool>(), B,
-                              static_cast<int32_t>(T), by_fraction, param,
-                              static_cast<int32_t>(max_recompute), reuse.mutable_data_ptr<bool>(),
-                              idx.mutable_data_ptr<int32_t>(), count.mutable_data_ptr<int32_t>(),
-                              status.mutable_data_ptr<int>(), DLLM_CUDA_STREAM());
+    cuda::launch_drift_select<kernel_t<scalar_t>>(
+        {.drift = {kernel_ptr<scalar_t>(dc), rc.const_data_ptr<bool>(), B,
+                   static_cast<int32_t>(T)},
+         .by_fraction = rule.by_fraction, .param = rule.param,
+         .max_recompute = static_cast<int32_t>(max_recompute),
+         .reuse = reuse.mutable_data_ptr<bool>(), .recompute_idx = idx.mutable_data_ptr<int32_t>(),
+         .count = count.mutable_data_ptr<int32_t>(), .status = status.data()},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
-  if (read_status(status)) drift_select_raise(op, drift, region, count, max_recompute);
+  raise_drift_select_status(op, status.read()[0], drift, region, count, max_recompute);
   return {reuse, idx, count};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_cuda(const at::Tensor& drift,
-                                                                 const at::Tensor& region,
-                                                                 double reuse_fraction,
-                                                                 int64_t max_recompute) {
-  DLLM_CHECK(reuse_fraction >= 0 && reuse_fraction < 1, "drift_select",
-             "reuse_fraction must be in [0, 1), got ", reuse_fraction);
-  return drift_select_cuda_impl("drift_select", drift, region, true, reuse_fraction,
-                                max_recompute);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> drift_select_threshold_cuda(
-    const at::Tensor& drift, const at::Tensor& region, double threshold, int64_t max_recompute) {
-  DLLM_CHECK(!std::isnan(threshold), "drift_select_threshold", "threshold must not be NaN");
-  return drift_select_cuda_impl("drift_select_threshold", drift, region, false, threshold,
-                                max_recompute);
 }
 
 }  // namespace
@@ -192,8 +160,8 @@ DLLM_CUDA_LIBRARY(m) {
   DLLM_CUDA_REGISTER(m, "token_confidence", token_confidence_cuda);
   DLLM_CUDA_REGISTER(m, "select_transfer", select_transfer_cuda);
   DLLM_CUDA_REGISTER(m, "certainty_density", certainty_density_cuda);
-  DLLM_CUDA_REGISTER(m, "drift_select", drift_select_cuda);
-  DLLM_CUDA_REGISTER(m, "drift_select_threshold", drift_select_threshold_cuda);
+  DLLM_CUDA_REGISTER(m, "drift_select", drift_select_op<drift_select_cuda>);
+  DLLM_CUDA_REGISTER(m, "drift_select_threshold", drift_select_threshold_op<drift_select_cuda>);
 }
 
 }  // namespace dllm

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: brings the CUDA (or simulated) definitions
-#include "common/select_math.h"
+#include "math/select_math.h"
 
 namespace dllm {
 namespace cuda {
@@ -40,12 +40,18 @@ __global__ void cosine_drift_kernel(const T* __restrict__ x, const T* __restrict
 }
 
 template <typename T>
-void launch_cosine_drift(const T* x, const T* y, float* out, int64_t rows, int64_t D,
-                         stream_t stream) {
-  if (rows == 0) return;
-  const int threads = row_block_threads(D);
-  DLLM_LAUNCH(cosine_drift_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(threads), 0, stream,
-              x, y, out, D);
+struct CosineDriftParams {
+  const T* x;       // rows x D, contiguous
+  const T* x_prev;  // rows x D, contiguous
+  float* out;       // rows
+  int64_t rows, D;
+};
+
+template <typename T>
+void launch_cosine_drift(const CosineDriftParams<T>& p, stream_t stream) {
+  if (p.rows == 0) return;
+  DLLM_LAUNCH(cosine_drift_kernel<T>, dim3(static_cast<unsigned>(p.rows)),
+              dim3(row_block_threads(p.D)), 0, stream, p.x, p.x_prev, p.out, p.D);
 }
 
 // ============================================================================
@@ -55,16 +61,8 @@ void launch_cosine_drift(const T* x, const T* y, float* out, int64_t rows, int64
 constexpr int kSelectMaxThreads = 512;
 constexpr int kRankTile = 1024;  // keys staged in shared memory per rank round
 
-__device__ __forceinline__ int warp_sum_int(int v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
 __device__ __forceinline__ int warp_min_int(int v) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kFullMask, v, o));
-  return v;
+  return warp_allreduce(v, [](int a, int b) { return min(a, b); });
 }
 
 // 64-bit min as two 32-bit shuffles (the high and low words move together).
@@ -79,47 +77,55 @@ __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long v)
   return v;
 }
 
-// Block-wide sum / min; every thread gets the result. `scratch` holds kWarp
-// entries; the leading barrier protects it from a previous call's readers.
-__device__ __forceinline__ int block_sum_int(int v, int* scratch) {
-  v = warp_sum_int(v);
+// Block-wide reductions; every thread gets the result. Each warp's lanes
+// hold its warp-reduced value; block_combine folds the warps' values in warp
+// order, starting from `identity`. `scratch` holds kWarp entries; the leading
+// barrier protects it from a previous call's readers.
+template <typename T, typename Combine>
+__device__ __forceinline__ T block_combine(T warp_value, T* scratch, T identity, Combine combine) {
   __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
+  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = warp_value;
   __syncthreads();
-  int total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) total += scratch[w];
-  return total;
+  T r = identity;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) r = combine(r, scratch[w]);
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+  return block_combine(warp_sum(v), scratch, T(0), [](T a, T b) { return a + b; });
 }
 
 __device__ __forceinline__ int block_min_int(int v, int* scratch) {
-  v = warp_min_int(v);
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
-  __syncthreads();
-  int m = scratch[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) m = min(m, scratch[w]);
-  return m;
+  return block_combine(warp_min_int(v), scratch, INT_MAX, [](int a, int b) { return min(a, b); });
 }
 
 __device__ __forceinline__ unsigned long long block_min_u64(unsigned long long v,
                                                             unsigned long long* scratch) {
-  v = warp_min_u64(v);
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
-  __syncthreads();
-  unsigned long long m = scratch[0];
-  for (int w = 1; w < static_cast<int>(blockDim.x) / kWarp; ++w) m = scratch[w] < m ? scratch[w] : m;
-  return m;
+  using U = unsigned long long;
+  return block_combine(warp_min_u64(v), scratch, ~U{0}, [](U a, U b) { return b < a ? b : a; });
 }
 
-__device__ __forceinline__ float block_sum_float(float v, float* scratch) {
-  v = warp_sum(v);
-  __syncthreads();
-  if (threadIdx.x % kWarp == 0) scratch[threadIdx.x / kWarp] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarp; ++w) total += scratch[w];
-  return total;
+// How many of a row's L positions the mask selects, and whether a selected
+// value is NaN; every thread gets both (two block sums).
+struct MaskedCount {
+  int n;
+  bool any_nan;
+};
+
+template <typename T>
+__device__ __forceinline__ MaskedCount block_count_masked(const T* values, const bool* mask,
+                                                          int32_t L, int* scratch) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  int n_local = 0, nan_local = 0;
+  for (int32_t i = tid; i < L; i += nt) {
+    if (!mask[i]) continue;
+    ++n_local;
+    const float v = to_float(values[i]);
+    if (v != v) nan_local = 1;
+  }
+  const int n = block_sum(n_local, scratch);
+  return MaskedCount{n, block_sum(nan_local, scratch) != 0};
 }
 
 // Exclusive prefix sum of one int per thread (in thread order); *total gets
@@ -182,27 +188,36 @@ constexpr int kConfUnroll = 4;
 inline int confidence_block_threads(int64_t V) { return V <= 2048 ? 128 : kSelectMaxThreads; }
 
 // Marks the suppressed ids in a V-bit mask; an id outside [0, V) sets
-// status bit 2 and is skipped.
+// math::kConfBadSuppressId and is skipped.
 __global__ void suppress_bits_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t V,
                                      unsigned* __restrict__ bits, int* __restrict__ status) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t id = ids[j];
     if (id < 0 || id >= V) {
-      atomicOr(status, 2);
+      atomicOr(status, math::kConfBadSuppressId);
       continue;
     }
     atomicOr(&bits[id >> 5], 1u << (id & 31));
   }
 }
 
-inline void launch_suppress_bits(const int64_t* ids, int64_t n, int64_t V, unsigned* bits,
-                                 int* status, stream_t stream) {
-  if (n == 0) return;
-  const int threads = 128;
-  const int64_t blocks = (n + threads - 1) / threads;
-  DLLM_LAUNCH(suppress_bits_kernel, dim3(static_cast<unsigned>(blocks < 1024 ? blocks : 1024)),
-              dim3(threads), 0, stream, ids, n, V, bits, status);
+struct SuppressBitsParams {
+  const int64_t* ids;  // n ids to suppress, contiguous
+  int64_t n, V;
+  unsigned* bits;      // ceil(V / 32) words, zeroed
+  int* status;         // math::ConfidenceStatus bits
+};
+
+constexpr int kSuppressThreads = 128;
+constexpr int64_t kSuppressMaxBlocks = 1024;  // grid-stride beyond this many blocks
+
+inline void launch_suppress_bits(const SuppressBitsParams& p, stream_t stream) {
+  if (p.n == 0) return;
+  const int64_t blocks = (p.n + kSuppressThreads - 1) / kSuppressThreads;
+  DLLM_LAUNCH(suppress_bits_kernel,
+              dim3(static_cast<unsigned>(blocks < kSuppressMaxBlocks ? blocks : kSuppressMaxBlocks)),
+              dim3(kSuppressThreads), 0, stream, p.ids, p.n, p.V, p.bits, p.status);
 }
 
 template <typename T, int kMode, bool kNoisy>
@@ -287,56 +302,59 @@ __global__ void token_confidence_kernel(const T* __restrict__ logits, int64_t ld
       if (xv == -INFINITY) continue;
       math::kahan_add(part, comp, math::neg_entropy_eps_term(xv - total.m, inv_s0, log_eps_s0));
     }
-    eps_sum = block_sum_float(part - comp, warp_part);
+    eps_sum = block_sum(part - comp, warp_part);
   }
   if (tid == 0) {
     const math::NoisyArgmax best = kNoisy ? noisy[0] : math::noisy_argmax_empty();
     token[row] = math::confidence_token(total, kNoisy, best);
     score[row] = math::confidence_score(total, kMode, kNoisy, best, eps_sum);
-    if (!math::softmax_top_ok(total)) atomicOr(status, 1);
+    if (!math::softmax_top_ok(total)) atomicOr(status, math::kConfBadRow);
   }
 }
+
+// token_confidence over N rows of V logits.
+template <typename T>
+struct TokenConfidenceParams {
+  const T* logits;                // [N, V], vocab dense
+  int64_t logits_row_stride;
+  int64_t N;
+  int32_t V;
+  int mode;                       // math::ConfMode
+  double temperature;
+  const float* noise;             // [N, V] Gumbel noise, vocab dense; null when greedy
+  int64_t noise_row_stride;
+  const unsigned* suppress_bits;  // from launch_suppress_bits, or null
+  int64_t* token;                 // [N]
+  float* score;                   // [N]
+  int* status;                    // math::kConfBadRow when a row is unusable
+};
 
 template <typename T, int kMode, bool kNoisy>
-void launch_token_confidence_t(const T* logits, int64_t ld, int64_t N, int32_t V,
-                               double temperature, const float* noise, int64_t nld,
-                               const unsigned* suppress_bits, int64_t* token, float* score,
-                               int* status, stream_t stream) {
+void launch_token_confidence_t(const TokenConfidenceParams<T>& p, stream_t stream) {
   const auto kernel = token_confidence_kernel<T, kMode, kNoisy>;
-  DLLM_LAUNCH(kernel, dim3(static_cast<unsigned>(N)), dim3(confidence_block_threads(V)), 0, stream,
-              logits, ld, V, temperature, noise, nld, suppress_bits, token, score, status);
+  DLLM_LAUNCH(kernel, dim3(static_cast<unsigned>(p.N)), dim3(confidence_block_threads(p.V)), 0,
+              stream, p.logits, p.logits_row_stride, p.V, p.temperature, p.noise,
+              p.noise_row_stride, p.suppress_bits, p.token, p.score, p.status);
 }
 
-// token_confidence over N rows of V logits (row stride ld; noise row stride
-// nld, noise == nullptr for greedy). status |= 1 when a row is unusable.
 template <typename T>
-void launch_token_confidence(const T* logits, int64_t ld, int64_t N, int32_t V, int mode,
-                             double temperature, const float* noise, int64_t nld,
-                             const unsigned* suppress_bits, int64_t* token, float* score,
-                             int* status, stream_t stream) {
-  if (N == 0) return;
-  const bool noisy = noise != nullptr;
-#define DLLM_CONF_CASE(MODE)                                                                  \
-  if (mode == MODE) {                                                                        \
-    if (noisy)                                                                               \
-      launch_token_confidence_t<T, MODE, true>(logits, ld, N, V, temperature, noise, nld,    \
-                                               suppress_bits, token, score, status, stream); \
-    else                                                                                     \
-      launch_token_confidence_t<T, MODE, false>(logits, ld, N, V, temperature, noise, nld,   \
-                                                suppress_bits, token, score, status, stream); \
-    return;                                                                                  \
-  }
-  DLLM_CONF_CASE(math::kConfProb)
-  DLLM_CONF_CASE(math::kConfMargin)
-  DLLM_CONF_CASE(math::kConfNegEntropy)
-#undef DLLM_CONF_CASE
+void launch_token_confidence(const TokenConfidenceParams<T>& p, stream_t stream) {
+  if (p.N == 0) return;
+  // One kernel per (mode, greedy or sampling): the mode's extra sums and the
+  // Gumbel state exist only in the instantiations that use them.
+  math::with_confidence_mode(p.mode, [&](auto mode) {
+    if (p.noise != nullptr)
+      launch_token_confidence_t<T, decltype(mode)::value, true>(p, stream);
+    else
+      launch_token_confidence_t<T, decltype(mode)::value, false>(p, stream);
+  });
 }
 
 // ============================================================================
 // select_transfer: one block per row
 // ============================================================================
-// Status bits: 1 = k out of [0, n], 2 = NaN score at a candidate (the row's
-// output is then all false and the host raises).
+// Status (math::TransferStatus): k out of [0, n], or a NaN score at a
+// candidate; the row's output is then all false and the host raises.
 
 inline int rank_block_threads(int64_t L) { return L <= 128 ? 32 : (L <= 2048 ? 128 : 256); }
 
@@ -358,17 +376,10 @@ __global__ void select_transfer_kernel(const T* __restrict__ score, const bool* 
     return c[i] ? math::descending_key(to_float(s[i]), i) : math::kNoKey;
   };
 
-  int n_local = 0, nan_local = 0;
-  for (int32_t i = tid; i < L; i += nt) {
-    if (!c[i]) continue;
-    ++n_local;
-    const float v = to_float(s[i]);
-    if (v != v) nan_local = 1;
-  }
-  const int n = block_sum_int(n_local, scratch);
-  const int nan = block_sum_int(nan_local, scratch);
-  int fail = nan ? 2 : 0;
-  if (!fail && rule == math::kRuleTopk && (k[row] < 0 || k[row] > n)) fail = 1;
+  const MaskedCount members = block_count_masked(s, c, L, scratch);
+  const int n = members.n;
+  int fail = members.any_nan ? math::kTransferNaN : 0;
+  if (!fail && rule == math::kRuleTopk && (k[row] < 0 || k[row] > n)) fail = math::kTransferBadK;
   if (fail) {  // uniform over the block
     for (int32_t i = tid; i < L; i += nt) o[i] = false;
     if (tid == 0) atomicOr(status, fail);
@@ -411,13 +422,34 @@ __global__ void select_transfer_kernel(const T* __restrict__ score, const bool* 
   }
 }
 
+// The selection kernels' input: a value per position of B rows of L, and
+// which positions take part; both [B, L], contiguous.
 template <typename T>
-void launch_select_transfer(const T* score, const bool* cand, int64_t B, int32_t L, int rule,
-                            const int64_t* k, double threshold, double factor, bool* out,
-                            int32_t* rank_scratch, int* status, stream_t stream) {
-  if (B == 0 || L == 0) return;
-  DLLM_LAUNCH(select_transfer_kernel<T>, dim3(static_cast<unsigned>(B)), dim3(rank_block_threads(L)),
-              0, stream, score, cand, L, rule, k, threshold, factor, out, rank_scratch, status);
+struct MaskedRows {
+  const T* values;
+  const bool* mask;
+  int64_t B;
+  int32_t L;
+};
+
+template <typename T>
+struct SelectTransferParams {
+  MaskedRows<T> score;    // the scores, masked by the candidates
+  int rule;               // math::TransferRule
+  const int64_t* k;       // [B] (rule topk), else null
+  double threshold, factor;
+  bool* out;              // [B, L]
+  int32_t* rank_scratch;  // [B, L] (rule factor), else null
+  int* status;            // math::TransferStatus bits
+};
+
+template <typename T>
+void launch_select_transfer(const SelectTransferParams<T>& p, stream_t stream) {
+  const MaskedRows<T>& s = p.score;
+  if (s.B == 0 || s.L == 0) return;
+  DLLM_LAUNCH(select_transfer_kernel<T>, dim3(static_cast<unsigned>(s.B)),
+              dim3(rank_block_threads(s.L)), 0, stream, s.values, s.mask, s.L, p.rule, p.k,
+              p.threshold, p.factor, p.out, p.rank_scratch, p.status);
 }
 
 // ============================================================================
@@ -438,23 +470,30 @@ __global__ void certainty_density_kernel(const bool* __restrict__ decoded, int32
       math::density_sum(i, G, d, left_known, right, W, nullptr, inv_two_sigma2) * inv_z);
 }
 
-inline void launch_certainty_density(const bool* decoded, int64_t B, int32_t G, double sigma,
-                                     bool left_known, bool right_known, float* out,
-                                     stream_t stream) {
-  if (B == 0 || G == 0) return;
-  const int32_t W = static_cast<int32_t>(math::density_window(sigma, G));
-  const double inv_z = 1.0 / math::density_normaliser(G, sigma);
-  const unsigned chunks = static_cast<unsigned>((G + kDensityThreads - 1) / kDensityThreads);
-  DLLM_LAUNCH(certainty_density_kernel, dim3(static_cast<unsigned>(B), chunks), dim3(kDensityThreads),
-              0, stream, decoded, G, W, 1.0 / (2.0 * sigma * sigma), inv_z, left_known, right_known,
-              out);
+struct CertaintyDensityParams {
+  const bool* decoded;  // [B, G], contiguous
+  int64_t B;
+  int32_t G;
+  double sigma;
+  bool left_known, right_known;
+  float* out;           // [B, G]
+};
+
+inline void launch_certainty_density(const CertaintyDensityParams& p, stream_t stream) {
+  if (p.B == 0 || p.G == 0) return;
+  const int32_t W = static_cast<int32_t>(math::density_window(p.sigma, p.G));
+  const double inv_z = 1.0 / math::density_normaliser(p.G, p.sigma);
+  const unsigned chunks = static_cast<unsigned>((p.G + kDensityThreads - 1) / kDensityThreads);
+  DLLM_LAUNCH(certainty_density_kernel, dim3(static_cast<unsigned>(p.B), chunks),
+              dim3(kDensityThreads), 0, stream, p.decoded, p.G, W,
+              1.0 / (2.0 * p.sigma * p.sigma), inv_z, p.left_known, p.right_known, p.out);
 }
 
 // ============================================================================
 // drift_select / drift_select_threshold: one block per row
 // ============================================================================
-// Status bits: 1 = NaN drift in the region (the row's outputs are then
-// empty), 2 = more recomputed tokens than max_recompute.
+// Status (math::DriftStatus): a NaN drift in the region (the row's outputs
+// are then empty), or more recomputed tokens than max_recompute.
 
 template <typename T>
 __global__ void drift_select_kernel(const T* __restrict__ drift, const bool* __restrict__ region,
@@ -471,20 +510,14 @@ __global__ void drift_select_kernel(const T* __restrict__ drift, const bool* __r
   int32_t* ix = idx + row * static_cast<int64_t>(max_recompute);
   const int tid = threadIdx.x, nt = blockDim.x;
 
-  int n_local = 0, nan_local = 0;
-  for (int32_t i = tid; i < Tn; i += nt) {
-    if (!r[i]) continue;
-    ++n_local;
-    const float v = to_float(d[i]);
-    if (v != v) nan_local = 1;
-  }
-  const int n = block_sum_int(n_local, scratch);
-  if (block_sum_int(nan_local, scratch)) {  // uniform over the block
+  const MaskedCount members = block_count_masked(d, r, Tn, scratch);
+  const int n = members.n;
+  if (members.any_nan) {  // uniform over the block
     for (int32_t i = tid; i < Tn; i += nt) u[i] = false;
     for (int32_t p = tid; p < max_recompute; p += nt) ix[p] = -1;
     if (tid == 0) {
       count[row] = 0;
-      atomicOr(status, 1);
+      atomicOr(status, math::kDriftNaN);
     }
     return;
   }
@@ -516,17 +549,29 @@ __global__ void drift_select_kernel(const T* __restrict__ drift, const bool* __r
   for (int32_t p = offset + tid; p < max_recompute; p += nt) ix[p] = -1;
   if (tid == 0) {
     count[row] = offset;
-    if (offset > max_recompute) atomicOr(status, 2);
+    if (offset > max_recompute) atomicOr(status, math::kDriftOverflow);
   }
 }
 
 template <typename T>
-void launch_drift_select(const T* drift, const bool* region, int64_t B, int32_t Tn,
-                         bool by_fraction, double param, int32_t max_recompute, bool* reuse,
-                         int32_t* idx, int32_t* count, int* status, stream_t stream) {
-  if (B == 0) return;
-  DLLM_LAUNCH(drift_select_kernel<T>, dim3(static_cast<unsigned>(B)), dim3(rank_block_threads(Tn)), 0,
-              stream, drift, region, Tn, by_fraction, param, max_recompute, reuse, idx, count, status);
+struct DriftSelectParams {
+  MaskedRows<T> drift;     // the drifts of B rows of T tokens, masked by the region
+  bool by_fraction;        // drift_select (param = reuse_fraction), else the threshold variant
+  double param;
+  int32_t max_recompute;
+  bool* reuse;             // [B, T]
+  int32_t* recompute_idx;  // [B, max_recompute]
+  int32_t* count;          // [B]
+  int* status;             // math::DriftStatus bits
+};
+
+template <typename T>
+void launch_drift_select(const DriftSelectParams<T>& p, stream_t stream) {
+  const MaskedRows<T>& d = p.drift;
+  if (d.B == 0) return;
+  DLLM_LAUNCH(drift_select_kernel<T>, dim3(static_cast<unsigned>(d.B)),
+              dim3(rank_block_threads(d.L)), 0, stream, d.values, d.mask, d.L, p.by_fraction,
+              p.param, p.max_recompute, p.reuse, p.recompute_idx, p.count, p.status);
 }
 
 }  // namespace cuda

@@ -1,7 +1,7 @@
 // Launch glue of the `sparse_kv` family: validation, dtype dispatch, launches.
-#include "cuda/glue.h"
-#include "common/dispatch.h"
-#include "common/sparse_kv_checks.h"
+#include "aten/cuda_glue.h"
+#include "aten/dispatch.h"
+#include "aten/sparse_kv_checks.h"
 #include "cuda/sparse_kv.cuh"
 
 namespace dllm {
@@ -11,24 +11,36 @@ cuda::Strides4 strides4(const at::Tensor& t) {
   return cuda::Strides4{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-// Runs the validation kernel over idx [B, Q] (contiguous, on the device) and
-// reads its one error record back: the only host sync these ops make.
-IndexError validate_on_device(const at::Tensor& idx, const at::Tensor* positions, int64_t T,
-                              int64_t n_positions, bool unique) {
+cuda::Strides3 strides3(const at::Tensor& t) {
+  return cuda::Strides3{t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Runs the validation kernel over idx [B, Q] (contiguous, on the device),
+// reads its error record back (aten/cuda_glue.h KernelStatus) and raises the
+// fault it names. Returns the record: the copy kernels take it as `fault`.
+KernelStatus<int64_t> validate_on_device(const char* op, const at::Tensor& idx,
+                                         const at::Tensor* positions, int64_t T,
+                                         int64_t n_positions, bool unique) {
   const int64_t B = idx.size(0), Q = idx.size(1);
-  auto err = at::zeros({5}, idx.options().dtype(at::kLong));
+  KernelStatus<int64_t> record(idx, cuda::kIndexErrorWords);
   at::Tensor seen;
   if (unique) seen = at::zeros({B, T}, idx.options().dtype(at::kInt));
-  cuda::launch_validate_indices(idx.const_data_ptr<int64_t>(),
-                                positions ? positions->const_data_ptr<int64_t>() : nullptr, B, Q,
-                                T, n_positions, unique ? seen.mutable_data_ptr<int>() : nullptr,
-                                reinterpret_cast<long long*>(err.mutable_data_ptr<int64_t>()),
-                                DLLM_CUDA_STREAM());
+  cuda::launch_validate_indices(
+      {.idx = idx.const_data_ptr<int64_t>(),
+       .positions = positions ? positions->const_data_ptr<int64_t>() : nullptr,
+       .B = B, .Q = Q, .T = T, .n_positions = n_positions,
+       .seen = unique ? seen.mutable_data_ptr<int>() : nullptr,
+       .err = reinterpret_cast<long long*>(record.data())},
+      DLLM_CUDA_STREAM());
   DLLM_CUDA_LAUNCH_CHECK();
-  const auto host = err.cpu();
-  const int64_t* e = host.const_data_ptr<int64_t>();
-  if ((e[0] & 0xffffffff) == 0) return IndexError{};
-  return IndexError{e[1], e[2], e[3], e[4]};
+  const std::vector<int64_t> e = record.read();
+  if ((e[0] & 0xffffffff) != 0)
+    raise_index_error(op, IndexError{e[1], e[2], e[3], e[4]}, T, n_positions);
+  return record;
+}
+
+const long long* fault_of(KernelStatus<int64_t>& record) {
+  return reinterpret_cast<const long long*>(record.data());
 }
 
 void check_launch_dims(const char* op, int64_t B, int64_t rows, int64_t y) {
@@ -42,23 +54,25 @@ void rope_scatter_kv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& idx) {
   constexpr const char* op = "rope_scatter_kv";
   check_rope_scatter_kv(q, k, v, positions, cos_sin, k_cache, v_cache, idx);
-  check_kernel_device(q, op, "q");
-  DLLM_CUDA_GUARD(q);
+  DLLM_CUDA_ENTER(op, q, "q");
   const int64_t B = q.size(0), Q = q.size(1), T = k_cache.size(2), P = cos_sin.size(0);
   DLLM_CHECK(B * Q <= INT32_MAX, op, "too many tokens (", B * Q, ") for one launch");
   const auto pos_c = positions.contiguous();
   const auto idx_c = idx.contiguous();
   const auto table = cos_sin.contiguous();
   // Validate every index before writing anything: on error nothing changes.
-  raise_index_error(op, validate_on_device(idx_c, &pos_c, T, P, /*unique=*/true), T, P);
+  auto record = validate_on_device(op, idx_c, &pos_c, T, P, /*unique=*/true);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::rope_scatter_kv", [&] {
-    cuda::launch_rope_scatter_kv(
-        kernel_mut_ptr<scalar_t>(q), kernel_ptr<scalar_t>(k), kernel_ptr<scalar_t>(v),
-        pos_c.const_data_ptr<int64_t>(), table.const_data_ptr<float>(),
-        kernel_mut_ptr<scalar_t>(k_cache), kernel_mut_ptr<scalar_t>(v_cache),
-        idx_c.const_data_ptr<int64_t>(), B, Q, static_cast<int>(q.size(2)),
-        static_cast<int>(k.size(2)), static_cast<int>(q.size(3)), strides4(q), strides4(k),
-        strides4(v), strides4(k_cache), strides4(v_cache), DLLM_CUDA_STREAM());
+    cuda::launch_rope_scatter_kv<kernel_t<scalar_t>>(
+        {.q = kernel_mut_ptr<scalar_t>(q), .k = kernel_ptr<scalar_t>(k),
+         .v = kernel_ptr<scalar_t>(v), .positions = pos_c.const_data_ptr<int64_t>(),
+         .cos_sin = table.const_data_ptr<float>(), .k_cache = kernel_mut_ptr<scalar_t>(k_cache),
+         .v_cache = kernel_mut_ptr<scalar_t>(v_cache), .idx = idx_c.const_data_ptr<int64_t>(),
+         .B = B, .Q = Q, .H = static_cast<int>(q.size(2)), .H_kv = static_cast<int>(k.size(2)),
+         .d = static_cast<int>(q.size(3)), .q_strides = strides4(q), .k_strides = strides4(k),
+         .v_strides = strides4(v), .k_cache_strides = strides4(k_cache),
+         .v_cache_strides = strides4(v_cache), .fault = fault_of(record)},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
 }
@@ -70,8 +84,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
                                                          double scale, bool return_probs) {
   constexpr const char* op = "sparse_attention";
   check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
-  check_kernel_device(q, op, "q");
-  DLLM_CUDA_GUARD(q);
+  DLLM_CUDA_ENTER(op, q, "q");
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), d = q.size(3);
   const int64_t H_kv = k_cache.size(1), T = k_cache.size(2);
   check_launch_dims(op, B, Q * (H / H_kv), H_kv);
@@ -88,13 +101,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
   at::Tensor stats;
   if (return_probs) stats = at::empty({B, Q, H, 2}, f32);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
-    cuda::launch_sparse_attention(
-        kernel_ptr<scalar_t>(qc), kernel_ptr<scalar_t>(kc), kernel_ptr<scalar_t>(vc),
-        valid_c.defined() ? valid_c.const_data_ptr<bool>() : nullptr, static_cast<float>(scale),
-        kernel_mut_ptr<scalar_t>(out), return_probs ? stats.mutable_data_ptr<float>() : nullptr,
-        return_probs ? probs.mutable_data_ptr<float>() : nullptr, static_cast<int>(B),
-        static_cast<int>(Q), static_cast<int>(H), static_cast<int>(H_kv), static_cast<int>(T),
-        static_cast<int>(d), DLLM_CUDA_STREAM());
+    cuda::launch_sparse_attention<kernel_t<scalar_t>>(
+        {.q = kernel_ptr<scalar_t>(qc), .k_cache = kernel_ptr<scalar_t>(kc),
+         .v_cache = kernel_ptr<scalar_t>(vc), .key_valid = optional_ptr<bool>(valid_c),
+         .scale = static_cast<float>(scale), .out = kernel_mut_ptr<scalar_t>(out),
+         .stats = optional_mut_ptr<float>(stats),
+         .probs = return_probs ? probs.mutable_data_ptr<float>() : nullptr,
+         .B = static_cast<int>(B), .Q = static_cast<int>(Q), .H = static_cast<int>(H),
+         .H_kv = static_cast<int>(H_kv), .T = static_cast<int>(T), .d = static_cast<int>(d)},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
   return {out, probs};
@@ -115,19 +130,19 @@ void dispatch_element_size(int64_t size, const char* op, F&& f) {
 at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& idx) {
   constexpr const char* op = "gather_rows";
   check_gather_rows(x, idx);
-  check_kernel_device(x, op, "x");
-  DLLM_CUDA_GUARD(x);
+  DLLM_CUDA_ENTER(op, x, "x");
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), Q = idx.size(1);
-  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many rows (", B * Q, ") for one launch");
+  check_launch_rows(op, B * Q);
   const auto idx_c = idx.contiguous();
-  raise_index_error(op, validate_on_device(idx_c, nullptr, T, 0, /*unique=*/false), T);
+  auto record = validate_on_device(op, idx_c, nullptr, T, 0, /*unique=*/false);
   auto out = at::empty({B, Q, C}, x.options());
   dispatch_element_size(x.element_size(), op, [&](auto tag) {
     using E = decltype(tag);
-    cuda::launch_gather_rows(static_cast<const E*>(x.const_data_ptr()),
-                             idx_c.const_data_ptr<int64_t>(),
-                             static_cast<E*>(out.mutable_data_ptr()), B, Q, C, x.stride(0),
-                             x.stride(1), x.stride(2), DLLM_CUDA_STREAM());
+    cuda::launch_gather_rows<E>(
+        {.x = static_cast<const E*>(x.const_data_ptr()), .idx = idx_c.const_data_ptr<int64_t>(),
+         .out = static_cast<E*>(out.mutable_data_ptr()), .B = B, .Q = Q, .C = C,
+         .x_strides = strides3(x), .fault = fault_of(record)},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
   return out;
@@ -136,19 +151,19 @@ at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& idx) {
 void scatter_rows_cuda(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& idx) {
   constexpr const char* op = "scatter_rows";
   check_scatter_rows(dst, src, idx);
-  check_kernel_device(dst, op, "dst");
-  DLLM_CUDA_GUARD(dst);
+  DLLM_CUDA_ENTER(op, dst, "dst");
   const int64_t B = dst.size(0), T = dst.size(1), C = dst.size(2), Q = idx.size(1);
-  DLLM_CHECK(B * Q <= INT32_MAX, op, "too many rows (", B * Q, ") for one launch");
+  check_launch_rows(op, B * Q);
   const auto idx_c = idx.contiguous();
-  raise_index_error(op, validate_on_device(idx_c, nullptr, T, 0, /*unique=*/true), T);
+  auto record = validate_on_device(op, idx_c, nullptr, T, 0, /*unique=*/true);
   dispatch_element_size(dst.element_size(), op, [&](auto tag) {
     using E = decltype(tag);
-    cuda::launch_scatter_rows(static_cast<E*>(dst.mutable_data_ptr()),
-                              static_cast<const E*>(src.const_data_ptr()),
-                              idx_c.const_data_ptr<int64_t>(), B, Q, C, dst.stride(0),
-                              dst.stride(1), dst.stride(2), src.stride(0), src.stride(1),
-                              src.stride(2), DLLM_CUDA_STREAM());
+    cuda::launch_scatter_rows<E>(
+        {.dst = static_cast<E*>(dst.mutable_data_ptr()),
+         .src = static_cast<const E*>(src.const_data_ptr()),
+         .idx = idx_c.const_data_ptr<int64_t>(), .B = B, .Q = Q, .C = C,
+         .dst_strides = strides3(dst), .src_strides = strides3(src), .fault = fault_of(record)},
+        DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();
 }

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
-#include "common/sparse_kv_math.h"
+#include "math/sparse_kv_math.h"
 #include "cuda/attention_tile.cuh"
 
 #include <cstdint>
@@ -18,6 +18,14 @@ namespace cuda {
 // err[0] is the "first error wins" flag (its low 32 bits, set with atomicCAS);
 // err[1..4] = {code, row, col, value} of that error (math::IndexErrorCode).
 // `seen` ([B, T] int32, zeroed) is only passed when indices must be distinct.
+// The copy kernels below take the same record as `fault` and write nothing
+// once it is set, so bad indices cannot write out of bounds even when the
+// glue cannot read the record back (CUDA graph capture, aten/cuda_glue.h).
+constexpr int kIndexErrorWords = 5;
+
+__device__ __forceinline__ bool index_fault(const long long* fault) {
+  return fault != nullptr && (fault[0] & 0xffffffff) != 0;
+}
 
 __device__ __forceinline__ void report_index_error(long long* err, int code, long long row,
                                                    long long col, long long value) {
@@ -55,12 +63,21 @@ __global__ void validate_indices_kernel(const int64_t* __restrict__ idx,
   }
 }
 
-inline void launch_validate_indices(const int64_t* idx, const int64_t* pos, int64_t B, int64_t Q,
-                                    int64_t T, int64_t n_positions, int* seen, long long* err,
-                                    stream_t stream) {
-  if (B == 0 || Q == 0) return;
-  DLLM_LAUNCH(validate_indices_kernel, dim3(static_cast<unsigned>(B)), dim3(row_block_threads(Q)),
-              0, stream, idx, pos, Q, T, n_positions, seen, err);
+struct ValidateIndicesParams {
+  const int64_t* idx;        // [B, Q], negative = padding
+  const int64_t* positions;  // [B, Q] RoPE positions, or null
+  int64_t B, Q;
+  int64_t T;                 // length of the indexed axis
+  int64_t n_positions;       // rows of the RoPE table (with positions)
+  int* seen;                 // [B, T] zeroed scratch when indices must be distinct, else null
+  long long* err;            // the kIndexErrorWords record, zeroed
+};
+
+inline void launch_validate_indices(const ValidateIndicesParams& p, stream_t stream) {
+  if (p.B == 0 || p.Q == 0) return;
+  DLLM_LAUNCH(validate_indices_kernel, dim3(static_cast<unsigned>(p.B)),
+              dim3(row_block_threads(p.Q)), 0, stream, p.idx, p.positions, p.Q, p.T, p.n_positions,
+              p.seen, p.err);
 }
 
 // ============================================================================
@@ -85,7 +102,8 @@ __global__ void rope_scatter_kv_kernel(T* q, const T* __restrict__ k, const T* _
                                        const float* __restrict__ table, T* kc, T* vc,
                                        const int64_t* __restrict__ idx, int64_t Q, int H, int H_kv,
                                        int d, Strides4 qs, Strides4 ks, Strides4 vs, Strides4 kcs,
-                                       Strides4 vcs) {
+                                       Strides4 vcs, const long long* __restrict__ fault) {
+  if (index_fault(fault)) return;  // block-uniform
   const int64_t tok = blockIdx.x;
   const int64_t slot = idx[tok];
   if (slot < 0) return;  // padding token: nothing to do
@@ -116,15 +134,29 @@ __global__ void rope_scatter_kv_kernel(T* q, const T* __restrict__ k, const T* _
 }
 
 template <typename T>
-void launch_rope_scatter_kv(T* q, const T* k, const T* v, const int64_t* pos, const float* table,
-                            T* kc, T* vc, const int64_t* idx, int64_t B, int64_t Q, int H, int H_kv,
-                            int d, Strides4 qs, Strides4 ks, Strides4 vs, Strides4 kcs,
-                            Strides4 vcs, stream_t stream) {
-  if (B * Q == 0) return;
-  const int work = (H + 2 * H_kv) * d / 2;
-  DLLM_LAUNCH(rope_scatter_kv_kernel<T>, dim3(static_cast<unsigned>(B * Q)),
-              dim3(row_block_threads(work)), 0, stream, q, k, v, pos, table, kc, vc, idx, Q, H,
-              H_kv, d, qs, ks, vs, kcs, vcs);
+struct RopeScatterKvParams {
+  T* q;                      // [B, Q, H, d], rotated in place
+  const T* k;                                                                  // [B, Q, H_kv, d]
+  const T* v;                                                                  // [B, Q, H_kv, d]
+  const int64_t* positions;                                                    // [B, Q], contiguous
+  const float* cos_sin;      // [max_positions, d] (dllm_ops/rope.py)
+  T* k_cache;                                                                  // [B, H_kv, T, d]
+  T* v_cache;                                                                  // [B, H_kv, T, d]
+  const int64_t* idx;        // [B, Q] cache slots, contiguous; negative = padding
+  int64_t B, Q;
+  int H, H_kv, d;
+  Strides4 q_strides, k_strides, v_strides, k_cache_strides, v_cache_strides;  // in elements
+  const long long* fault;    // the validation record of idx / positions
+};
+
+template <typename T>
+void launch_rope_scatter_kv(const RopeScatterKvParams<T>& p, stream_t stream) {
+  if (p.B * p.Q == 0) return;
+  const int work = (p.H + 2 * p.H_kv) * p.d / 2;
+  DLLM_LAUNCH(rope_scatter_kv_kernel<T>, dim3(static_cast<unsigned>(p.B * p.Q)),
+              dim3(row_block_threads(work)), 0, stream, p.q, p.k, p.v, p.positions, p.cos_sin,
+              p.k_cache, p.v_cache, p.idx, p.Q, p.H, p.H_kv, p.d, p.q_strides, p.k_strides,
+              p.v_strides, p.k_cache_strides, p.v_cache_strides, p.fault);
 }
 
 // ============================================================================
@@ -168,26 +200,14 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     __syncthreads();
     const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
-#pragma unroll
-    for (int w = 0; w < RW; ++w) {
-      const int rr = warp * RW + w;
-      if (row0 + rr >= n_rows) break;  // warp-uniform
-      const float s = key_ok ? score_dot(qs[rr], ks[lane], d, scale) : -INFINITY;
-      rows.template fold<BK>(w, s, vs, d, lane);
-    }
+    rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
-
-#pragma unroll
-  for (int w = 0; w < RW; ++w) {
-    const int r = row0 + warp * RW + w;
-    if (r >= n_rows) break;
-    const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
-    rows.store(w, out + o * d, d, lane);
+  rows.store_rows(out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [&](int w, int64_t o) {
     if (stats && lane == 0) {
       stats[o * 2] = rows.st[w].m;
       stats[o * 2 + 1] = rows.st[w].l;
     }
-  }
+  });
 }
 
 // Head-averaged probabilities, second pass: a block owns 4 queries x 32 keys
@@ -241,44 +261,42 @@ __global__ void __launch_bounds__(kAttnThreads)
   if (qi < Q && t < T_len) probs[(b * Q + qi) * T_len + t] = key_ok ? acc / H : 0.f;
 }
 
+// All tensors contiguous. Requires 0 < d <= 256 and H % H_kv == 0.
+template <typename Scalar>
+struct SparseAttentionParams {
+  const Scalar* q;        // [B, Q, H, d]
+  const Scalar* k_cache;  // [B, H_kv, T, d]
+  const Scalar* v_cache;  // [B, H_kv, T, d]
+  const bool* key_valid;  // [B, T], or null (every key valid)
+  float scale;
+  Scalar* out;            // [B, Q, H, d]
+  float* stats;           // [B, Q, H, 2] fp32 scratch, only with probs (else null)
+  float* probs;           // [B, Q, T] head-averaged probabilities, or null
+  int B, Q, H, H_kv, T, d;
+};
+
 template <typename T, int DCH>
-void launch_sparse_attention_d(const T* q, const T* kc, const T* vc, const bool* key_valid,
-                               float scale, T* out, float* stats, float* probs, int B, int Q,
-                               int H, int H_kv, int T_len, int d, stream_t stream) {
-  using Tile = AttnTile<DCH>;
-  const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
-  const dim3 grid(static_cast<unsigned>((rows + Tile::kRows - 1) / Tile::kRows),
-                  static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
+void launch_sparse_attention_d(const SparseAttentionParams<T>& p, stream_t stream) {
   // Named aliases: a template-id with a comma cannot be a macro argument.
   const auto attention_kernel = sparse_attention_kernel<T, DCH>;
   const auto probs_kernel = attention_probs_kernel<T, DCH>;
-  DLLM_LAUNCH(attention_kernel, grid, dim3(kAttnThreads), 0, stream, q, kc, vc, key_valid, scale,
-              out, stats, Q, H, H_kv, T_len, d);
-  if (!probs) return;
-  const dim3 pgrid(static_cast<unsigned>((T_len + kProbKeys - 1) / kProbKeys),
-                   static_cast<unsigned>((Q + kProbQueries - 1) / kProbQueries),
-                   static_cast<unsigned>(B));
-  DLLM_LAUNCH(probs_kernel, pgrid, dim3(kAttnThreads), 0, stream, q, kc, key_valid, stats, scale,
-              probs, Q, H, H_kv, T_len, d);
+  DLLM_LAUNCH(attention_kernel, attn_grid<DCH>(p.B, p.Q, p.H, p.H_kv), dim3(kAttnThreads), 0,
+              stream, p.q, p.k_cache, p.v_cache, p.key_valid, p.scale, p.out, p.stats, p.Q, p.H,
+              p.H_kv, p.T, p.d);
+  if (!p.probs) return;
+  const dim3 pgrid(static_cast<unsigned>((p.T + kProbKeys - 1) / kProbKeys),
+                   static_cast<unsigned>((p.Q + kProbQueries - 1) / kProbQueries),
+                   static_cast<unsigned>(p.B));
+  DLLM_LAUNCH(probs_kernel, pgrid, dim3(kAttnThreads), 0, stream, p.q, p.k_cache, p.key_valid,
+              p.stats, p.scale, p.probs, p.Q, p.H, p.H_kv, p.T, p.d);
 }
 
-// out [B, Q, H, d]; stats [B, Q, H, 2] fp32 scratch and probs [B, Q, T] fp32
-// only with probabilities (both null otherwise). Requires 0 < d <= 256,
-// H % H_kv == 0, all tensors contiguous.
 template <typename T>
-void launch_sparse_attention(const T* q, const T* kc, const T* vc, const bool* key_valid,
-                             float scale, T* out, float* stats, float* probs, int B, int Q, int H,
-                             int H_kv, int T_len, int d, stream_t stream) {
-  if (B == 0 || Q == 0) return;
-  if (d <= 64)
-    launch_sparse_attention_d<T, 2>(q, kc, vc, key_valid, scale, out, stats, probs, B, Q, H, H_kv,
-                                    T_len, d, stream);
-  else if (d <= 128)
-    launch_sparse_attention_d<T, 4>(q, kc, vc, key_valid, scale, out, stats, probs, B, Q, H, H_kv,
-                                    T_len, d, stream);
-  else
-    launch_sparse_attention_d<T, 8>(q, kc, vc, key_valid, scale, out, stats, probs, B, Q, H, H_kv,
-                                    T_len, d, stream);
+void launch_sparse_attention(const SparseAttentionParams<T>& p, stream_t stream) {
+  if (p.B == 0 || p.Q == 0) return;
+  with_head_dim_chunks(p.d, [&](auto dch) {
+    launch_sparse_attention_d<T, decltype(dch)::value>(p, stream);
+  });
 }
 
 // ============================================================================
@@ -290,7 +308,8 @@ void launch_sparse_attention(const T* q, const T* kc, const T* vc, const bool* k
 template <typename E>
 __global__ void gather_rows_kernel(const E* __restrict__ x, const int64_t* __restrict__ idx,
                                    E* __restrict__ out, int64_t Q, int64_t C, int64_t sb,
-                                   int64_t st, int64_t sc) {
+                                   int64_t st, int64_t sc, const long long* __restrict__ fault) {
+  if (index_fault(fault)) return;  // block-uniform
   const int64_t r = blockIdx.x;
   const int64_t i = idx[r], b = r / Q;
   E* dst = out + r * C;
@@ -302,7 +321,8 @@ template <typename E>
 __global__ void scatter_rows_kernel(E* __restrict__ dst, const E* __restrict__ src,
                                     const int64_t* __restrict__ idx, int64_t Q, int64_t C,
                                     int64_t db, int64_t dt, int64_t dc, int64_t sb, int64_t sq,
-                                    int64_t sc) {
+                                    int64_t sc, const long long* __restrict__ fault) {
+  if (index_fault(fault)) return;  // block-uniform
   const int64_t r = blockIdx.x;
   const int64_t i = idx[r], b = r / Q, j = r % Q;
   if (i < 0) return;
@@ -310,21 +330,47 @@ __global__ void scatter_rows_kernel(E* __restrict__ dst, const E* __restrict__ s
     dst[b * db + i * dt + c * dc] = src[b * sb + j * sq + c * sc];
 }
 
+struct Strides3 {
+  int64_t s0, s1, s2;
+};
+
+// out[b, j] = x[b, idx[b, j]] (zeros where idx < 0); out [B, Q, C] contiguous.
 template <typename E>
-void launch_gather_rows(const E* x, const int64_t* idx, E* out, int64_t B, int64_t Q, int64_t C,
-                        int64_t sb, int64_t st, int64_t sc, stream_t stream) {
-  if (B * Q == 0 || C == 0) return;
-  DLLM_LAUNCH(gather_rows_kernel<E>, dim3(static_cast<unsigned>(B * Q)), dim3(row_block_threads(C)),
-              0, stream, x, idx, out, Q, C, sb, st, sc);
+struct GatherRowsParams {
+  const E* x;              // [B, T, C], strided
+  const int64_t* idx;      // [B, Q], contiguous
+  E* out;                  // [B, Q, C]
+  int64_t B, Q, C;
+  Strides3 x_strides;      // in elements
+  const long long* fault;  // the validation record of idx
+};
+
+// dst[b, idx[b, j]] = src[b, j], skipping idx < 0.
+template <typename E>
+struct ScatterRowsParams {
+  E* dst;                             // [B, T, C], strided
+  const E* src;                       // [B, Q, C], strided
+  const int64_t* idx;                 // [B, Q], contiguous
+  int64_t B, Q, C;
+  Strides3 dst_strides, src_strides;  // in elements
+  const long long* fault;             // the validation record of idx
+};
+
+template <typename E>
+void launch_gather_rows(const GatherRowsParams<E>& p, stream_t stream) {
+  if (p.B * p.Q == 0 || p.C == 0) return;
+  DLLM_LAUNCH(gather_rows_kernel<E>, dim3(static_cast<unsigned>(p.B * p.Q)),
+              dim3(row_block_threads(p.C)), 0, stream, p.x, p.idx, p.out, p.Q, p.C,
+              p.x_strides.s0, p.x_strides.s1, p.x_strides.s2, p.fault);
 }
 
 template <typename E>
-void launch_scatter_rows(E* dst, const E* src, const int64_t* idx, int64_t B, int64_t Q, int64_t C,
-                         int64_t db, int64_t dt, int64_t dc, int64_t sb, int64_t sq, int64_t sc,
-                         stream_t stream) {
-  if (B * Q == 0 || C == 0) return;
-  DLLM_LAUNCH(scatter_rows_kernel<E>, dim3(static_cast<unsigned>(B * Q)),
-              dim3(row_block_threads(C)), 0, stream, dst, src, idx, Q, C, db, dt, dc, sb, sq, sc);
+void launch_scatter_rows(const ScatterRowsParams<E>& p, stream_t stream) {
+  if (p.B * p.Q == 0 || p.C == 0) return;
+  DLLM_LAUNCH(scatter_rows_kernel<E>, dim3(static_cast<unsigned>(p.B * p.Q)),
+              dim3(row_block_threads(p.C)), 0, stream, p.dst, p.src, p.idx, p.Q, p.C,
+              p.dst_strides.s0, p.dst_strides.s1, p.dst_strides.s2, p.src_strides.s0,
+              p.src_strides.s1, p.src_strides.s2, p.fault);
 }
 
 }  // namespace cuda

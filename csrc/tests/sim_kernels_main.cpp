@@ -40,7 +40,8 @@ static void test_cosine_drift(const char* name, int rows, int D, double tol) {
     y[i] = cast_from_float<T>(n01(rng));
   }
   if (rows > 1) std::fill(x.begin(), x.begin() + D, cast_from_float<T>(0.f));  // a zero row
-  dllm::cuda::launch_cosine_drift(x.data(), y.data(), out.data(), rows, D, nullptr);
+  dllm::cuda::launch_cosine_drift<T>(
+      {.x = x.data(), .x_prev = y.data(), .out = out.data(), .rows = rows, .D = D}, nullptr);
   for (int r = 0; r < rows; ++r) {
     double dot = 0, nx = 0, ny = 0;
     for (int i = 0; i < D; ++i) {
@@ -127,9 +128,11 @@ static void test_rollout_scores(const char* name, int L, int B, int Q, int Tn, i
   std::vector<float> out(size_t(B) * Tn, -1.f);
   // std::vector<char> holds the bool mask: same size and values as bool.
   const bool* vp = reinterpret_cast<const bool*>(valid.data());
-  dllm::cuda::launch_rollout_scores(probs.data(), idx.data(), vp, out.data(), L, B, Q, Tn,
-                                    {v.data(), row_sum.data(), inv.data(), partial.data()},
-                                    &status, nullptr);
+  dllm::cuda::launch_rollout_scores<T>(
+      {.probs = probs.data(), .row_idx = idx.data(), .valid = vp, .out = out.data(), .L = L,
+       .B = B, .Q = Q, .T = Tn,
+       .scratch = {v.data(), row_sum.data(), inv.data(), partial.data()}, .status = &status},
+      nullptr);
   if (dup) {
     if (status != dllm::math::kRolloutDuplicateRow) {
       std::fprintf(stderr, "FAIL %s: duplicate row gave status %d\n", name, status);
@@ -159,9 +162,11 @@ static void test_nucleus_select(const char* name, int B, int Tn, double p, int m
   std::vector<char> out(size_t(B) * Tn, 2);
   std::vector<uint64_t> scratch(dllm::cuda::nucleus_scratch_elems(B, Tn));
   int status = 0;
-  dllm::cuda::launch_nucleus_select(scores.data(), reinterpret_cast<const bool*>(cand.data()),
-                                    reinterpret_cast<bool*>(out.data()), B, Tn, p, min_k,
-                                    scratch.empty() ? nullptr : scratch.data(), &status, nullptr);
+  dllm::cuda::launch_nucleus_select<T>(
+      {.scores = scores.data(), .candidate = reinterpret_cast<const bool*>(cand.data()),
+       .out = reinterpret_cast<bool*>(out.data()), .B = B, .T = Tn, .p = p, .min_k = min_k,
+       .scratch = scratch.empty() ? nullptr : scratch.data(), .status = &status},
+      nullptr);
   for (int b = 0; b < B; ++b) {
     // Host: stable sort by score descending, sequential float64 prefix sums.
     std::vector<std::pair<double, int>> c;
@@ -224,9 +229,11 @@ static void test_validate_indices() {
   for (const Case& c : cases) {
     const int64_t B = 2, Q = 3;
     std::vector<int> seen(size_t(B) * T, 0);
-    std::vector<long long> err(5, 0);
-    dllm::cuda::launch_validate_indices(c.idx.data(), c.pos.empty() ? nullptr : c.pos.data(), B, Q, T,
-                                        P, c.unique ? seen.data() : nullptr, err.data(), nullptr);
+    std::vector<long long> err(dllm::cuda::kIndexErrorWords, 0);
+    dllm::cuda::launch_validate_indices(
+        {.idx = c.idx.data(), .positions = c.pos.empty() ? nullptr : c.pos.data(), .B = B, .Q = Q,
+         .T = T, .n_positions = P, .seen = c.unique ? seen.data() : nullptr, .err = err.data()},
+        nullptr);
     const long long code = (err[0] & 0xffffffff) ? err[1] : 0;
     if (code != c.code) {
       std::fprintf(stderr, "FAIL validate_indices: code %lld, want %lld\n", code, c.code);
@@ -267,8 +274,12 @@ static void test_rope_scatter_kv(const char* name, int B, int Q, int H, int Hkv,
   using dllm::cuda::Strides4;
   const Strides4 qs{int64_t(Q) * H * d, int64_t(H) * d, d, 1}, ks{int64_t(Q) * Hkv * d, int64_t(Hkv) * d, d, 1},
       cs{int64_t(Hkv) * Tn * d, int64_t(Tn) * d, d, 1};
-  dllm::cuda::launch_rope_scatter_kv(q.data(), k.data(), v.data(), pos.data(), table.data(), kc.data(),
-                                     vc.data(), idx.data(), B, Q, H, Hkv, d, qs, ks, ks, cs, cs, nullptr);
+  dllm::cuda::launch_rope_scatter_kv<T>(
+      {.q = q.data(), .k = k.data(), .v = v.data(), .positions = pos.data(), .cos_sin = table.data(),
+       .k_cache = kc.data(), .v_cache = vc.data(), .idx = idx.data(), .B = B, .Q = Q, .H = H,
+       .H_kv = Hkv, .d = d, .q_strides = qs, .k_strides = ks, .v_strides = ks,
+       .k_cache_strides = cs, .v_cache_strides = cs, .fault = nullptr},
+      nullptr);
   auto f = [](T x) { return double(dllm::cuda::to_float(x)); };
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < Q; ++j) {
@@ -313,8 +324,11 @@ static void test_sparse_attention(const char* name, int B, int Q, int H, int Hkv
   std::vector<T> out(q.size());
   std::vector<float> stats(size_t(B) * Q * H * 2), probs(size_t(B) * Q * Tn, -1.f);
   const float scale = 1.f / std::sqrt(float(d));
-  dllm::cuda::launch_sparse_attention(q.data(), kc.data(), vc.data(), valid, scale, out.data(), stats.data(),
-                                      probs.data(), B, Q, H, Hkv, Tn, d, nullptr);
+  dllm::cuda::launch_sparse_attention<T>(
+      {.q = q.data(), .k_cache = kc.data(), .v_cache = vc.data(), .key_valid = valid,
+       .scale = scale, .out = out.data(), .stats = stats.data(), .probs = probs.data(), .B = B,
+       .Q = Q, .H = H, .H_kv = Hkv, .T = Tn, .d = d},
+      nullptr);
   auto f = [](T x) { return double(dllm::cuda::to_float(x)); };
   const int G = H / Hkv;
   for (int b = 0; b < B; ++b)
@@ -353,10 +367,15 @@ static void test_gather_scatter_rows() {
   for (size_t i = 0; i < x.size(); ++i) x[i] = uint32_t(i * 7 + 1);
   const std::vector<int64_t> idx = {4, -1, 0, 2, 3, 1};
   std::vector<uint32_t> out(size_t(B) * Q * C, 99);
-  dllm::cuda::launch_gather_rows(x.data(), idx.data(), out.data(), B, Q, C, Tn * C * 2, C * 2, 2, nullptr);
+  dllm::cuda::launch_gather_rows<uint32_t>(
+      {.x = x.data(), .idx = idx.data(), .out = out.data(), .B = B, .Q = Q, .C = C,
+       .x_strides = {Tn * C * 2, C * 2, 2}, .fault = nullptr},
+      nullptr);
   std::vector<uint32_t> dst(size_t(B) * Tn * C, 0);
-  dllm::cuda::launch_scatter_rows(dst.data(), out.data(), idx.data(), B, Q, C, Tn * C, C, 1, Q * C, C, 1,
-                                  nullptr);
+  dllm::cuda::launch_scatter_rows<uint32_t>(
+      {.dst = dst.data(), .src = out.data(), .idx = idx.data(), .B = B, .Q = Q, .C = C,
+       .dst_strides = {Tn * C, C, 1}, .src_strides = {Q * C, C, 1}, .fault = nullptr},
+      nullptr);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < Q; ++j)
       for (int64_t c = 0; c < C; ++c) {
@@ -365,6 +384,29 @@ static void test_gather_scatter_rows() {
         expect_close(out[size_t((b * Q + j) * C + c)], want, 0.0, "gather_rows", int(j));
         if (i >= 0) expect_close(dst[size_t((b * Tn + i) * C + c)], want, 0.0, "scatter_rows", int(j));
       }
+  // A fault the validation recorded stops the copy kernels: what keeps bad
+  // indices from writing out of bounds when the glue cannot read the record
+  // back (CUDA graph capture).
+  const std::vector<int64_t> bad = {4, -1, 0, 2, Tn, 1};  // idx[1, 1] = T is out of range
+  std::vector<long long> err(dllm::cuda::kIndexErrorWords, 0);
+  std::vector<int> seen(size_t(B) * Tn, 0);
+  dllm::cuda::launch_validate_indices({.idx = bad.data(), .positions = nullptr, .B = B, .Q = Q,
+                                       .T = Tn, .n_positions = 0, .seen = seen.data(),
+                                       .err = err.data()},
+                                      nullptr);
+  expect_close(double((err[0] & 0xffffffff) ? err[1] : 0), dllm::math::kIdxOutOfRange, 0.0,
+               "validate_indices fault", 0);
+  std::vector<uint32_t> kept_out(out.size(), 99), kept_dst(dst.size(), 7);
+  dllm::cuda::launch_gather_rows<uint32_t>(
+      {.x = x.data(), .idx = bad.data(), .out = kept_out.data(), .B = B, .Q = Q, .C = C,
+       .x_strides = {Tn * C * 2, C * 2, 2}, .fault = err.data()},
+      nullptr);
+  dllm::cuda::launch_scatter_rows<uint32_t>(
+      {.dst = kept_dst.data(), .src = out.data(), .idx = bad.data(), .B = B, .Q = Q, .C = C,
+       .dst_strides = {Tn * C, C, 1}, .src_strides = {Q * C, C, 1}, .fault = err.data()},
+      nullptr);
+  for (size_t n = 0; n < kept_out.size(); ++n) expect_close(kept_out[n], 99, 0.0, "gather_rows fault", int(n));
+  for (size_t n = 0; n < kept_dst.size(); ++n) expect_close(kept_dst[n], 7, 0.0, "scatter_rows fault", int(n));
 }
 
 static void test_sparse_kv_family() {
@@ -404,14 +446,18 @@ static void test_token_confidence(const char* name, int rows, int V, int mode, b
   if (V > 4) suppress = {int64_t(V / 2), 0, int64_t(V / 2)};
   std::vector<unsigned> bits((V + 31) / 32, 0u);
   int status = 0;
-  dllm::cuda::launch_suppress_bits(suppress.data(), int64_t(suppress.size()), V, bits.data(),
-                                   &status, nullptr);
+  dllm::cuda::launch_suppress_bits({.ids = suppress.data(), .n = int64_t(suppress.size()), .V = V,
+                                    .bits = bits.data(), .status = &status},
+                                   nullptr);
   std::vector<int64_t> token(rows, -7);
   std::vector<float> score(rows, -7.f);
   const double temperature = 0.7;
-  dllm::cuda::launch_token_confidence(x.data(), V, rows, V, mode, temperature,
-                                      noisy ? g.data() : nullptr, V, bits.data(), token.data(),
-                                      score.data(), &status, nullptr);
+  dllm::cuda::launch_token_confidence<T>(
+      {.logits = x.data(), .logits_row_stride = V, .N = rows, .V = V, .mode = mode,
+       .temperature = temperature, .noise = noisy ? g.data() : nullptr, .noise_row_stride = V,
+       .suppress_bits = bits.data(), .token = token.data(), .score = score.data(),
+       .status = &status},
+      nullptr);
   if (status != 0) {
     std::fprintf(stderr, "FAIL %s: status %d\n", name, status);
     ++g_failures;
@@ -479,8 +525,11 @@ static void test_select_transfer(const char* name, int B, int L, int rule, doubl
   std::vector<int32_t> ranks(score.size());
   int status = 0;
   const double threshold = 0.6;
-  dllm::cuda::launch_select_transfer(score.data(), cand.get(), B, L, rule, k.data(), threshold,
-                                     factor, out.get(), ranks.data(), &status, nullptr);
+  dllm::cuda::launch_select_transfer<T>(
+      {.score = {score.data(), cand.get(), B, L}, .rule = rule,
+       .k = k.data(), .threshold = threshold, .factor = factor, .out = out.get(),
+       .rank_scratch = ranks.data(), .status = &status},
+      nullptr);
   if (status != 0) {
     std::fprintf(stderr, "FAIL %s: status %d\n", name, status);
     ++g_failures;
@@ -526,7 +575,10 @@ static void test_certainty_density(const char* name, int B, int G, double sigma,
   std::unique_ptr<bool[]> d(new bool[size_t(B) * G]);
   for (int i = 0; i < B * G; ++i) d[i] = rng() % 2;
   std::vector<float> out(size_t(B) * G, -1.f);
-  dllm::cuda::launch_certainty_density(d.get(), B, G, sigma, left, right, out.data(), nullptr);
+  dllm::cuda::launch_certainty_density({.decoded = d.get(), .B = B, .G = G, .sigma = sigma,
+                                        .left_known = left, .right_known = right,
+                                        .out = out.data()},
+                                       nullptr);
   double z = 0;
   for (int dd = -3 * G; dd < 3 * G; ++dd) z += std::exp(-double(dd) * dd / (2 * sigma * sigma));
   for (int b = 0; b < B; ++b)
@@ -558,9 +610,12 @@ static void test_drift_select(const char* name, int B, int Tn, bool by_fraction,
   }
   std::vector<int32_t> idx(size_t(B) * max_recompute, -7), count(B, -7);
   int status = 0;
-  dllm::cuda::launch_drift_select(drift.data(), region.get(), B, Tn, by_fraction, param,
-                                  max_recompute, reuse.get(), idx.data(), count.data(), &status,
-                                  nullptr);
+  dllm::cuda::launch_drift_select<T>(
+      {.drift = {drift.data(), region.get(), B, Tn}, .by_fraction = by_fraction, .param = param,
+       .max_recompute = max_recompute,
+       .reuse = reuse.get(), .recompute_idx = idx.data(), .count = count.data(),
+       .status = &status},
+      nullptr);
   for (int b = 0; b < B; ++b) {
     auto d = [&](int i) { return double(dllm::cuda::to_float(drift[size_t(b) * Tn + i])); };
     std::vector<int> order;
@@ -651,8 +706,9 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
   using dllm::cuda::to_float;
   namespace q = dllm::cuda::quant;
   const int B = 1, H = 2, Tn = 37, d = 16, G = 8, p = 2, n = 8 / bits, Hq = 4, Q = 3;
-  const int n_groups = (Tn + G - 1) / G;
-  const int64_t rows = int64_t(n_groups) * G / n;
+  const int n_groups = int(dllm::math::packed_k_groups(Tn, G));
+  const int64_t rows = dllm::math::packed_k_rows(Tn, G, bits);
+  const q::CacheDims dims{.B = B, .H = H, .T = Tn, .d = d};
   std::mt19937 rng(bits * 101 + d);
   std::normal_distribution<float> n01;
   std::vector<T> k(size_t(B) * H * Tn * d), v(k.size()), qv(size_t(B) * Q * Hq * d);
@@ -665,8 +721,12 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
   std::vector<T> scale(size_t(B) * H * n_groups * d), mn(scale.size()),
       pval(size_t(B) * H * n_groups * p * d);
   int status = 0;
-  q::launch_quantize_k(k.data(), imp.data(), 1, codes.data(), scale.data(), mn.data(), pidx.data(),
-                       pval.data(), &status, B, H, Tn, d, G, bits, p, nullptr);
+  q::launch_quantize_k<T>(
+      {.k = k.data(), .importance = imp.data(), .importance_per_head = true,
+       .out = {codes.data(), scale.data(), mn.data(), pidx.data(), pval.data(), bits, G, p,
+               n_groups, rows},
+       .status = &status, .dims = dims},
+      nullptr);
   expect_close(status, 0, 0.0, name, 0);
   for (int h = 0; h < H; ++h)
     for (int g = 0; g < n_groups; ++g) {
@@ -703,7 +763,8 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
   const q::PackedK<T> pk{codes.data(), scale.data(), mn.data(), pidx.data(), pval.data(), bits, G, p,
                          n_groups, rows};
   std::vector<T> kd(k.size());
-  q::launch_dequantize_k(pk, kd.data(), &status, B, H, Tn, d, nullptr);
+  q::launch_dequantize_k<T>({.packed = pk, .out = kd.data(), .status = &status, .dims = dims},
+                            nullptr);
   expect_close(status, 0, 0.0, name, 1);
   for (size_t i = 0; i < k.size(); ++i) {
     const size_t t = (i / d) % Tn, hh = i / (size_t(d) * Tn), c = i % d;
@@ -717,13 +778,20 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
   // k_quant_error: squared error of the p = 0 round trip.
   std::vector<uint8_t> codes0(codes.size()), pidx0;
   std::vector<T> scale0(scale.size()), mn0(mn.size()), pval0, kd0(k.size());
-  q::launch_quantize_k(k.data(), static_cast<const float*>(nullptr), 0, codes0.data(), scale0.data(), mn0.data(),
-                       pidx0.data(), pval0.data(), &status, B, H, Tn, d, G, bits, 0, nullptr);
+  q::launch_quantize_k<T>(
+      {.k = k.data(), .importance = nullptr, .importance_per_head = false,
+       .out = {codes0.data(), scale0.data(), mn0.data(), pidx0.data(), pval0.data(), bits, G, 0,
+               n_groups, rows},
+       .status = &status, .dims = dims},
+      nullptr);
   const q::PackedK<T> pk0{codes0.data(), scale0.data(), mn0.data(), pidx0.data(), pval0.data(), bits, G, 0,
                           n_groups, rows};
-  q::launch_dequantize_k(pk0, kd0.data(), &status, B, H, Tn, d, nullptr);
+  q::launch_dequantize_k<T>({.packed = pk0, .out = kd0.data(), .status = &status, .dims = dims},
+                            nullptr);
   std::vector<float> err(size_t(B) * H * Tn, -1.f);
-  q::launch_k_quant_error(k.data(), err.data(), &status, B, H, Tn, d, G, bits, nullptr);
+  q::launch_k_quant_error<T>(
+      {.k = k.data(), .err = err.data(), .status = &status, .dims = dims, .G = G, .bits = bits},
+      nullptr);
   for (size_t r = 0; r < err.size(); ++r) {
     double e = 0;
     for (int c = 0; c < d; ++c) {
@@ -733,11 +801,14 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
     expect_close(err[r], e, 1e-5, name, int(r));
   }
   // quantize_v (groups of 8 channels) + dequantize_v.
-  const int Gv = 8, ngv = d / Gv, rb = d * bits / 8;
+  const int Gv = 8, ngv = int(dllm::math::packed_v_groups(d, Gv));
+  const int rb = int(dllm::math::packed_v_row_bytes(d, bits));
   std::vector<uint8_t> vcodes(size_t(B) * H * Tn * rb);
   std::vector<T> vscale(size_t(B) * H * Tn * ngv), vmn(vscale.size()), vd(v.size());
-  q::launch_quantize_v(v.data(), vcodes.data(), vscale.data(), vmn.data(), &status, int64_t(B) * H * Tn, d, Gv,
-                       bits, nullptr);
+  q::launch_quantize_v<T>({.v = v.data(),
+                           .out = {vcodes.data(), vscale.data(), vmn.data(), bits, Gv, ngv, rb},
+                           .status = &status, .n_rows = int64_t(B) * H * Tn, .d = d},
+                          nullptr);
   expect_close(status, 0, 0.0, name, 2);
   for (int r = 0; r < B * H * Tn; ++r)
     for (int gv = 0; gv < ngv; ++gv) {
@@ -751,13 +822,17 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
       }
     }
   const q::PackedV<T> pvv{vcodes.data(), vscale.data(), vmn.data(), bits, Gv, ngv, rb};
-  q::launch_dequantize_v(pvv, vd.data(), int64_t(B) * H * Tn, d, nullptr);
+  q::launch_dequantize_v<T>({.packed = pvv, .out = vd.data(), .n_rows = int64_t(B) * H * Tn, .d = d},
+                            nullptr);
   // quant_attention against a double host loop over the dequantized caches.
   bool valid[64];
   for (int t = 0; t < Tn; ++t) valid[t] = t % 4 != 1;
   std::vector<T> out(qv.size());
   const float sc = 1.f / std::sqrt(float(d));
-  q::launch_quant_attention(qv.data(), pk, pvv, valid, sc, out.data(), &status, B, Q, Hq, H, Tn, d, nullptr);
+  const q::QuantAttentionParams<T> attn{.q = qv.data(), .k = pk, .v = pvv, .key_valid = valid,
+                                         .scale = sc, .out = out.data(), .status = &status,
+                                         .B = B, .Q = Q, .H = Hq, .H_kv = H, .T = Tn, .d = d};
+  q::launch_quant_attention(attn, nullptr);
   expect_close(status, 0, 0.0, name, 3);
   for (int j = 0; j < Q; ++j)
     for (int hq = 0; hq < Hq; ++hq) {
@@ -783,10 +858,11 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
   // A prot_idx entry past the last group's 5 real tokens is reported.
   pidx[(size_t(1) * n_groups + n_groups - 1) * p] = 6;
   status = 0;
-  q::launch_dequantize_k(pk, kd.data(), &status, B, H, Tn, d, nullptr);
+  q::launch_dequantize_k<T>({.packed = pk, .out = kd.data(), .status = &status, .dims = dims},
+                            nullptr);
   expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 4);
   status = 0;
-  q::launch_quant_attention(qv.data(), pk, pvv, valid, sc, out.data(), &status, B, Q, Hq, H, Tn, d, nullptr);
+  q::launch_quant_attention(attn, nullptr);
   expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 5);
 }
 

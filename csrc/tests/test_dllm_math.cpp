@@ -1,6 +1,6 @@
-// Unit tests of the shared DLLM_HD math (csrc/common/dllm_math.h), torch-free.
+// Unit tests of the shared DLLM_HD math (csrc/math/dllm_math.h), torch-free.
 // Each check compares against an independent double-precision computation.
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cmath>
 #include <cstdio>

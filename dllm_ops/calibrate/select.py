@@ -1,6 +1,6 @@
 """dLLM-KVQ policy selection: per layer, the (score, p) that best preserves
-behaviour on TRACE trajectories (``seeds/001_*``, "K-Cache Policy Selection",
-"Policy Diagnostics and Selection").
+behaviour on TRACE trajectories (the dLLM-KVQ paper, "K-Cache Policy Selection",
+"Policy Diagnostics and Selection"; docs/design.md, "dLLM-KVQ").
 
 Records are (sample, block, step, layer) for every later step of every block
 of every calibration trajectory (the block-start step reuses nothing). For a

@@ -1,10 +1,10 @@
 """TRACE: reconstruct a dLLM reveal trajectory for a prompt-answer pair.
 
 Each answer token is assigned to one reveal step inside its block's window,
-every step receiving its budget ``k_t`` (``seeds/001_*``, "TRACE Trajectory
-Calibration"). Rounds alternate a rollout -- the masked state ``x_t`` each step
-sees under the current assignment, scored ``S[i, t] = log p(y_i | x_t)`` for
-every legal pair -- and an exact re-solve of ``max sum_i S[i, a(i)]`` over the
+every step receiving its budget ``k_t`` (the dLLM-KVQ paper, "TRACE Trajectory
+Calibration"; docs/design.md, "dLLM-KVQ"). Rounds alternate a rollout -- the
+masked state ``x_t`` each step sees under the current assignment, scored
+``S[i, t] = log p(y_i | x_t)`` for every legal pair -- and an exact re-solve of ``max sum_i S[i, a(i)]`` over the
 legal assignments (``scipy.optimize.linear_sum_assignment`` over step slots),
 until the assignment stops changing or ``max_rounds`` is reached.
 

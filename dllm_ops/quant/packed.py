@@ -23,25 +23,68 @@ from typing import NamedTuple
 import torch
 
 
+# ---- the layout ------------------------------------------------------------------
+# The shapes and dtypes of the packed tensors are stated here, once for Python:
+# the fake kernels (dllm_ops/_fake.py) and the oracles (dllm_ops/reference.py)
+# build their outputs from these functions. The C++ statement is
+# csrc/math/quant_math.h ("packed layout"), which the kernels and the checks
+# of csrc/aten/quant_checks.h use; opcheck's fake-vs-real comparison
+# (python_tests/test_quant.py) holds the two equal.
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def packed_k_groups(length: int, group: int) -> int:
+    """Token groups of a packed K cache of ``length`` tokens (the last may be short)."""
+    return (length + group - 1) // group
+
+
+def packed_k_layout(B: int, H: int, length: int, d: int, bits: int, group: int, protect_p: int,
+                    dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """Shape and dtype of each tensor of a :class:`PackedK`, in field order."""
+    n = packed_k_groups(length, group)
+    u8 = torch.uint8
+    return {"codes": TensorSpec((B, H, n * group * bits // 8, d), u8),
+            "scale": TensorSpec((B, H, n, d), dtype),
+            "min": TensorSpec((B, H, n, d), dtype),
+            "prot_idx": TensorSpec((B, H, n, protect_p), u8),
+            "prot_val": TensorSpec((B, H, n, protect_p, d), dtype)}
+
+
+def packed_v_layout(B: int, H: int, T: int, d: int, bits: int, group: int,
+                    dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """Shape and dtype of each tensor of a :class:`PackedV` (``d % group == 0``)."""
+    return {"codes": TensorSpec((B, H, T, d * bits // 8), torch.uint8),
+            "scale": TensorSpec((B, H, T, d // group), dtype),
+            "min": TensorSpec((B, H, T, d // group), dtype)}
+
+
+def empty_packed(layout: dict[str, TensorSpec], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Uninitialised tensors of a layout, on ``like``'s device (fake kernels use this)."""
+    return tuple(like.new_empty(spec.shape, dtype=spec.dtype) for spec in layout.values())
+
+
 class PackedK(NamedTuple):
     """K cache quantized per channel over groups of ``group`` consecutive tokens.
 
-    With ``n_groups = ceil(length / group)`` and ``per = 8 // bits``:
+    Shapes and dtypes: :func:`packed_k_layout` (``n_groups`` groups,
+    ``per = 8 // bits`` codes per byte). What the tensors hold:
 
-    - ``codes``: uint8 ``[B, H_kv, n_groups * group // per, d]``, *packed along
-      tokens*: byte ``[b, h, r, c]`` holds the codes of tokens ``r * per + j``
-      (``j < per``) of channel ``c``. Codes of protected tokens and of the
-      padding slots of a short last group are 0.
-    - ``scale``, ``min``: ``[B, H_kv, n_groups, d]`` in the cache dtype, one
-      pair per (group, channel), taken over the group's *quantized* tokens
-      only: protected tokens and padding never widen the range. A group whose
-      real tokens are all protected has scale 0 and min 0.
-    - ``prot_idx``: uint8 ``[B, H_kv, n_groups, p]``, the protected tokens'
-      in-group indices in rank order (highest importance first, ties to the
-      lower index); 255 marks an unused slot (a last group with fewer real
-      tokens than ``p`` protects all of them and leaves the rest unused).
-    - ``prot_val``: ``[B, H_kv, n_groups, p, d]`` those tokens' original
-      values (zeros in unused slots).
+    - ``codes``: *packed along tokens*: byte ``[b, h, r, c]`` holds the codes of
+      tokens ``r * per + j`` (``j < per``) of channel ``c``. Codes of protected
+      tokens and of the padding slots of a short last group are 0.
+    - ``scale``, ``min``: in the cache dtype, one pair per (group, channel),
+      taken over the group's *quantized* tokens only: protected tokens and
+      padding never widen the range. A group whose real tokens are all
+      protected has scale 0 and min 0.
+    - ``prot_idx``: the protected tokens' in-group indices in rank order
+      (highest importance first, ties to the lower index); 255 marks an unused
+      slot (a last group with fewer real tokens than ``p`` protects all of them
+      and leaves the rest unused).
+    - ``prot_val``: those tokens' original values (zeros in unused slots).
     - ``bits`` (2 or 4), ``group`` (8, 16, 32, 64 or 128), ``length`` (T).
 
     The last group may hold fewer than ``group`` real tokens: it is quantized
@@ -73,9 +116,11 @@ class PackedK(NamedTuple):
 class PackedV(NamedTuple):
     """V cache quantized per token over groups of ``group`` channels.
 
-    - ``codes``: uint8 ``[B, H_kv, T, d * bits // 8]``, *packed along channels*:
-      byte ``[b, h, t, r]`` holds channels ``r * (8 // bits) + j``.
-    - ``scale``, ``min``: ``[B, H_kv, T, d // group]`` in the cache dtype.
+    Shapes and dtypes: :func:`packed_v_layout`. What the tensors hold:
+
+    - ``codes``: *packed along channels*: byte ``[b, h, t, r]`` holds channels
+      ``r * (8 // bits) + j``.
+    - ``scale``, ``min``: one pair per (token, channel group), in the cache dtype.
     - ``bits`` (2 or 4), ``group`` (8, 16, 32, 64 or 128; ``d % group == 0``).
     """
 

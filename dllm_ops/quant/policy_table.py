@@ -3,7 +3,7 @@
 A table is chosen offline (``python -m dllm_ops.calibrate``) for one model,
 one cache mode and one bit width; online decoding only reads it. Each layer
 gets a token-importance score and a budget ``p`` of protected K tokens per
-group (``seeds/001_*``, "K-Cache Policy Selection"):
+group (the dLLM-KVQ paper, "K-Cache Policy Selection"; docs/design.md, "dLLM-KVQ"):
 
 - ``"attention"``: the attention the active block's queries give each cache
   token in the block-initial forward, averaged over query heads and queries;

@@ -18,7 +18,7 @@
 // capped at n.
 #pragma once
 
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cfloat>
 #include <cstdint>

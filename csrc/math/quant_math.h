@@ -17,7 +17,7 @@
 // element j of the byte at bits [b*j, b*j + b) ("little end first").
 #pragma once
 
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cfloat>
 #include <cstdint>
@@ -44,6 +44,25 @@ enum QuantStatus : int {
 DLLM_HD int quant_levels(int bits) { return (1 << bits) - 1; }
 DLLM_HD int codes_per_byte(int bits) { return 8 / bits; }
 
+// ---- packed layout -------------------------------------------------------------
+// The packed caches' layout is stated once for Python, in
+// dllm_ops/quant/packed.py (packed_k_layout / packed_v_layout: the shape and
+// dtype of every tensor), and once for C++, here: aten/quant_checks.h
+// allocates and checks the tensors with these sizes and the kernels index
+// with them. The fake kernels use the Python statement, so opcheck's
+// fake-vs-real comparison (python_tests/test_quant.py) holds the two equal.
+//   K (packed along tokens): codes uint8 [B, H_kv, packed_k_rows, d],
+//     scale / min [B, H_kv, n_groups, d], prot_idx uint8 [B, H_kv, n_groups, p],
+//     prot_val [B, H_kv, n_groups, p, d]; n_groups = packed_k_groups(T, G).
+//   V (packed along channels): codes uint8 [B, H_kv, T, packed_v_row_bytes],
+//     scale / min [B, H_kv, T, packed_v_groups].
+DLLM_HD int64_t packed_k_groups(int64_t T, int64_t G) { return (T + G - 1) / G; }
+DLLM_HD int64_t packed_k_rows(int64_t T, int64_t G, int bits) {
+  return packed_k_groups(T, G) * G / codes_per_byte(bits);
+}
+DLLM_HD int64_t packed_v_groups(int64_t d, int64_t G) { return d / G; }
+DLLM_HD int64_t packed_v_row_bytes(int64_t d, int bits) { return d * bits / 8; }
+
 // Real tokens of K group g (the last group of a length-T axis may be short).
 DLLM_HD int group_tokens(int64_t T, int G, int64_t g) {
   const int64_t left = T - g * G;
@@ -55,7 +74,10 @@ DLLM_HD bool is_finite(float x) { return fabsf(x) <= FLT_MAX; }  // false for Na
 // fp32 multiply and add, each rounded once. On the host the exact double
 // product / a double sum rounded to float equal the IEEE fp32 result (double
 // has > 2*24+2 bits), and the float conversion in between stops the compiler
-// from contracting them into an FMA.
+// from contracting them into an FMA -- in a build without FMA instructions.
+// With FMA enabled (-march=native, an AVX2 target) GCC narrows both back to
+// fp32 operations and contracts them, so the quant CPU kernels are built for
+// the baseline instruction set only (csrc/cpu/isa.h, csrc/cpu/quant.cpp).
 DLLM_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);

@@ -4,13 +4,14 @@
 // test exercises the arithmetic the device runs.
 #pragma once
 
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace dllm {
 namespace math {
@@ -43,7 +44,32 @@ namespace math {
 constexpr float kNegEntropyEps = 1e-10f;  // Dream: torch.log(probs + 1e-10)
 constexpr double kNegEntropyEpsD = 1e-10;
 
+// Status bits the selection kernels report (CPU: gathered from the workers;
+// CUDA: a device status word read back once), turned into messages by the
+// raise_*_status helpers of aten/select_checks.h.
+enum ConfidenceStatus : int {
+  kConfBadRow = 1,         // a row with NaN / +inf logits, no finite logit, or NaN noise
+  kConfBadSuppressId = 2,  // a suppress id outside [0, V)
+};
+enum TransferStatus : int {
+  kTransferBadK = 1,  // k[b] outside [0, candidates of row b]
+  kTransferNaN = 2,   // NaN score at a candidate position
+};
+enum DriftStatus : int {
+  kDriftNaN = 1,       // NaN drift at a region position
+  kDriftOverflow = 2,  // more tokens to recompute than max_recompute
+};
+
 enum ConfMode : int { kConfProb = 0, kConfMargin = 1, kConfNegEntropy = 2 };
+
+// Calls f(std::integral_constant<int, mode>) for a ConfMode, so the CPU and
+// CUDA row kernels are instantiated per mode (host code only).
+template <typename F>
+inline void with_confidence_mode(int mode, F&& f) {
+  if (mode == kConfProb) f(std::integral_constant<int, kConfProb>{});
+  if (mode == kConfMargin) f(std::integral_constant<int, kConfMargin>{});
+  if (mode == kConfNegEntropy) f(std::integral_constant<int, kConfNegEntropy>{});
+}
 
 struct SoftmaxTop {
   float m;     // max finite logit; -inf while none was seen

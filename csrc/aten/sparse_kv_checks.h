@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/checks.h"
-#include "common/sparse_kv_math.h"
+#include "aten/checks.h"
+#include "math/sparse_kv_math.h"
 
 namespace dllm {
 
@@ -77,21 +77,21 @@ inline void raise_index_error(const char* op, const IndexError& e, int64_t T,
   DLLM_CHECK(e.code == math::kIndexOk, op, "internal error: unknown index error code ", e.code);
 }
 
-inline void check_index_tensor(const at::Tensor& idx, const char* op, const char* name,
+inline void check_index_tensor(const char* op, const at::Tensor& idx, const char* name,
                                int64_t B, int64_t Q) {
-  check_dtype(idx, at::kLong, op, name);
-  check_dim(idx, 2, op, name);
+  check_dtype(op, idx, name, at::kLong);
+  check_dim(op, idx, name, 2);
   DLLM_CHECK(idx.size(0) == B && idx.size(1) == Q, op, name, " must have shape [", B, ", ", Q,
              "], got ", idx.sizes());
 }
 
-inline void check_no_internal_overlap(const at::Tensor& t, const char* op, const char* name) {
+inline void check_no_internal_overlap(const char* op, const at::Tensor& t, const char* name) {
   DLLM_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, name,
              " is written in place, so its elements must not share memory (e.g. an expanded view)");
 }
 
 // q [B, Q, H, d] and a K or V cache [B, H_kv, T, d]: shared by both attention-side ops.
-inline void check_heads(const at::Tensor& q, const at::Tensor& cache, const char* op,
+inline void check_heads(const char* op, const at::Tensor& q, const at::Tensor& cache,
                         const char* cache_name) {
   const int64_t H = q.size(2), H_kv = cache.size(1), d = q.size(3);
   DLLM_CHECK(cache.size(0) == q.size(0), op, cache_name, " batch (", cache.size(0),
@@ -110,36 +110,36 @@ inline void check_rope_scatter_kv(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& idx) {
   constexpr const char* op = "rope_scatter_kv";
-  check_dim(q, 4, op, "q ([B, Q, H, d])");
-  check_dim(k, 4, op, "k ([B, Q, H_kv, d])");
-  check_dim(k_cache, 4, op, "k_cache ([B, H_kv, T, d])");
-  check_floating(q, op, "q");
+  check_dim(op, q, "q ([B, Q, H, d])", 4);
+  check_dim(op, k, "k ([B, Q, H_kv, d])", 4);
+  check_dim(op, k_cache, "k_cache ([B, H_kv, T, d])", 4);
+  check_floating(op, q, "q");
   using Named = std::pair<const at::Tensor*, const char*>;
   for (const Named& t : {Named{&k, "k"}, Named{&v, "v"}, Named{&k_cache, "k_cache"},
                          Named{&v_cache, "v_cache"}})
-    check_same_dtype(q, *t.first, op, "q", t.second);
-  check_same_shape(k, v, op, "k", "v");
-  check_same_shape(k_cache, v_cache, op, "k_cache", "v_cache");
+    check_same_dtype(op, q, "q", *t.first, t.second);
+  check_same_shape(op, k, "k", v, "v");
+  check_same_shape(op, k_cache, "k_cache", v_cache, "v_cache");
   const int64_t B = q.size(0), Q = q.size(1), d = q.size(3);
   DLLM_CHECK(k.size(0) == B && k.size(1) == Q && k.size(3) == d, op, "k must be [", B, ", ", Q,
              ", H_kv, ", d, "] to match q ", q.sizes(), ", got ", k.sizes());
   DLLM_CHECK(k.size(2) == k_cache.size(1), op, "k has ", k.size(2), " heads but k_cache has ",
              k_cache.size(1));
-  check_heads(q, k_cache, op, "k_cache");
+  check_heads(op, q, k_cache, "k_cache");
   DLLM_CHECK(d % 2 == 0, op, "head_dim must be even for rotate-half RoPE, got ", d);
-  check_index_tensor(positions, op, "positions", B, Q);
-  check_index_tensor(idx, op, "idx", B, Q);
-  check_dtype(cos_sin, at::kFloat, op, "cos_sin");
+  check_index_tensor(op, positions, "positions", B, Q);
+  check_index_tensor(op, idx, "idx", B, Q);
+  check_dtype(op, cos_sin, "cos_sin", at::kFloat);
   DLLM_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == d, op,
              "cos_sin must be [max_positions, head_dim=", d, "] (dllm_ops.rope.rope_cos_sin), got ",
              cos_sin.sizes());
   for (const Named& t : {Named{&k, "k"}, Named{&v, "v"}, Named{&positions, "positions"},
                          Named{&cos_sin, "cos_sin"}, Named{&k_cache, "k_cache"},
                          Named{&v_cache, "v_cache"}, Named{&idx, "idx"}})
-    check_same_device(q, *t.first, op, "q", t.second);
-  check_no_internal_overlap(q, op, "q");
-  check_no_internal_overlap(k_cache, op, "k_cache");
-  check_no_internal_overlap(v_cache, op, "v_cache");
+    check_same_device(op, q, "q", *t.first, t.second);
+  check_no_internal_overlap(op, q, "q");
+  check_no_internal_overlap(op, k_cache, "k_cache");
+  check_no_internal_overlap(op, v_cache, "v_cache");
   DLLM_CHECK(at::get_overlap_status(k_cache, v_cache) == at::MemOverlapStatus::No, op,
              "k_cache and v_cache must not share memory");
 }
@@ -149,47 +149,47 @@ inline void check_sparse_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& v_cache,
                                    const std::optional<at::Tensor>& key_valid, double scale) {
   constexpr const char* op = "sparse_attention";
-  check_dim(q, 4, op, "q ([B, Q, H, d])");
-  check_dim(k_cache, 4, op, "k_cache ([B, H_kv, T, d])");
-  check_floating(q, op, "q");
-  check_same_dtype(q, k_cache, op, "q", "k_cache");
-  check_same_dtype(q, v_cache, op, "q", "v_cache");
-  check_same_shape(k_cache, v_cache, op, "k_cache", "v_cache");
-  check_same_device(q, k_cache, op, "q", "k_cache");
-  check_same_device(q, v_cache, op, "q", "v_cache");
-  check_heads(q, k_cache, op, "k_cache");
+  check_dim(op, q, "q ([B, Q, H, d])", 4);
+  check_dim(op, k_cache, "k_cache ([B, H_kv, T, d])", 4);
+  check_floating(op, q, "q");
+  check_same_dtype(op, q, "q", k_cache, "k_cache");
+  check_same_dtype(op, q, "q", v_cache, "v_cache");
+  check_same_shape(op, k_cache, "k_cache", v_cache, "v_cache");
+  check_same_device(op, q, "q", k_cache, "k_cache");
+  check_same_device(op, q, "q", v_cache, "v_cache");
+  check_heads(op, q, k_cache, "k_cache");
   DLLM_CHECK(k_cache.size(2) > 0, op, "the cache must hold at least one key (T > 0)");
   DLLM_CHECK(std::isfinite(scale), op, "scale must be finite, got ", scale);
   if (key_valid.has_value()) {
     const at::Tensor& kv = *key_valid;
-    check_dtype(kv, at::kBool, op, "key_valid");
+    check_dtype(op, kv, "key_valid", at::kBool);
     DLLM_CHECK(kv.dim() == 2 && kv.size(0) == q.size(0) && kv.size(1) == k_cache.size(2), op,
                "key_valid must be [B, T] = [", q.size(0), ", ", k_cache.size(2), "], got ",
                kv.sizes());
-    check_same_device(q, kv, op, "q", "key_valid");
+    check_same_device(op, q, "q", kv, "key_valid");
   }
 }
 
 // gather_rows(x, idx) / scatter_rows(dst, src, idx): x, dst [B, T, C]; idx [B, Q].
 inline void check_gather_rows(const at::Tensor& x, const at::Tensor& idx) {
   constexpr const char* op = "gather_rows";
-  check_dim(x, 3, op, "x ([B, T, C])");
-  check_index_tensor(idx, op, "idx", x.size(0), idx.dim() == 2 ? idx.size(1) : -1);
-  check_same_device(x, idx, op, "x", "idx");
+  check_dim(op, x, "x ([B, T, C])", 3);
+  check_index_tensor(op, idx, "idx", x.size(0), idx.dim() == 2 ? idx.size(1) : -1);
+  check_same_device(op, x, "x", idx, "idx");
 }
 
 inline void check_scatter_rows(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& idx) {
   constexpr const char* op = "scatter_rows";
-  check_dim(dst, 3, op, "dst ([B, T, C])");
-  check_dim(src, 3, op, "src ([B, Q, C])");
-  check_same_dtype(dst, src, op, "dst", "src");
+  check_dim(op, dst, "dst ([B, T, C])", 3);
+  check_dim(op, src, "src ([B, Q, C])", 3);
+  check_same_dtype(op, dst, "dst", src, "src");
   DLLM_CHECK(src.size(0) == dst.size(0) && src.size(2) == dst.size(2), op,
              "src must be [B, Q, C] with dst's B and C, got src ", src.sizes(), " and dst ",
              dst.sizes());
-  check_index_tensor(idx, op, "idx", src.size(0), src.size(1));
-  check_same_device(dst, src, op, "dst", "src");
-  check_same_device(dst, idx, op, "dst", "idx");
-  check_no_internal_overlap(dst, op, "dst");
+  check_index_tensor(op, idx, "idx", src.size(0), src.size(1));
+  check_same_device(op, dst, "dst", src, "src");
+  check_same_device(op, dst, "dst", idx, "idx");
+  check_no_internal_overlap(op, dst, "dst");
   DLLM_CHECK(at::get_overlap_status(dst, src) == at::MemOverlapStatus::No, op,
              "dst and src must not share memory");
 }

@@ -3,7 +3,7 @@
 // by the CUDA kernels, so a CPU test exercises the device arithmetic.
 #pragma once
 
-#include "common/dllm_math.h"
+#include "math/dllm_math.h"
 
 #include <cstdint>
 

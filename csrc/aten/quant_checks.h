@@ -3,33 +3,71 @@
 //
 // Shape/dtype checks run on tensor metadata. Data-dependent faults (non-finite
 // k / v, NaN importance, a scale that overflows the dtype, corrupt prot_idx)
-// are found by the kernels as math::QuantStatus bits; throw_quant_status turns
+// are found by the kernels as math::QuantStatus bits; raise_quant_status turns
 // them into messages in a fixed priority order.
 #pragma once
 
 #include <cmath>
 #include <optional>
+#include <string>
+#include <vector>
 
-#include "common/checks.h"
-#include "common/quant_math.h"
+#include "aten/checks.h"
+#include "math/quant_math.h"
 
 namespace dllm {
 
-// Sizes of a packed K cache (K packed along tokens).
+// Sizes of a packed K cache (K packed along tokens), from the layout stated
+// in math/quant_math.h ("packed layout"; Python: dllm_ops/quant/packed.py).
 struct QuantKShape {
   int64_t B = 0, H = 0, T = 0, d = 0;
   int64_t G = 0, bits = 0, p = 0;
-  int64_t n_groups = 0;  // ceil(T / G)
-  int64_t rows = 0;      // byte rows of codes: n_groups * G / (8 / bits)
+  int64_t n_groups = 0;  // math::packed_k_groups
+  int64_t rows = 0;      // byte rows of codes: math::packed_k_rows
 };
 
 // Sizes of a packed V cache (V packed along channels).
 struct QuantVShape {
   int64_t B = 0, H = 0, T = 0, d = 0;
   int64_t G = 0, bits = 0;
-  int64_t n_groups = 0;  // d / G channel groups per token
-  int64_t row_bytes = 0;  // d * bits / 8
+  int64_t n_groups = 0;   // channel groups per token: math::packed_v_groups
+  int64_t row_bytes = 0;  // math::packed_v_row_bytes
 };
+
+inline QuantKShape packed_k_shape(int64_t B, int64_t H, int64_t T, int64_t d, int64_t G,
+                                  int64_t bits, int64_t p) {
+  QuantKShape s;
+  s.B = B, s.H = H, s.T = T, s.d = d, s.G = G, s.bits = bits, s.p = p;
+  s.n_groups = math::packed_k_groups(T, G);
+  s.rows = math::packed_k_rows(T, G, static_cast<int>(bits));
+  return s;
+}
+
+inline QuantVShape packed_v_shape(int64_t B, int64_t H, int64_t T, int64_t d, int64_t G,
+                                  int64_t bits) {
+  QuantVShape s;
+  s.B = B, s.H = H, s.T = T, s.d = d, s.G = G, s.bits = bits;
+  s.n_groups = math::packed_v_groups(d, G);
+  s.row_bytes = math::packed_v_row_bytes(d, static_cast<int>(bits));
+  return s;
+}
+
+// Every tensor's sizes (the dtypes: codes and prot_idx uint8, the rest the
+// cache dtype), used to allocate the packed caches and to check given ones.
+struct PackedKSizes {
+  std::vector<int64_t> codes, scale, prot_idx, prot_val;  // min: as scale
+};
+inline PackedKSizes packed_k_sizes(const QuantKShape& s) {
+  return {{s.B, s.H, s.rows, s.d}, {s.B, s.H, s.n_groups, s.d}, {s.B, s.H, s.n_groups, s.p},
+          {s.B, s.H, s.n_groups, s.p, s.d}};
+}
+
+struct PackedVSizes {
+  std::vector<int64_t> codes, scale;  // min: as scale
+};
+inline PackedVSizes packed_v_sizes(const QuantVShape& s) {
+  return {{s.B, s.H, s.T, s.row_bytes}, {s.B, s.H, s.T, s.n_groups}};
+}
 
 inline void check_quant_bits(const char* op, int64_t bits, const char* name = "bits") {
   DLLM_CHECK(bits == 2 || bits == 4, op, name, " must be 2 or 4, got ", bits);
@@ -45,106 +83,127 @@ inline void check_quant_head_dim(const char* op, int64_t d) {
              math::kQuantMaxHeadDim, ", got ", d);
 }
 
-inline int64_t quant_n_groups(int64_t T, int64_t G) { return (T + G - 1) / G; }
+// A cache x [B, H_kv, T, d] to quantize (quantize_k, k_quant_error, quantize_v).
+inline void check_quant_input(const char* op, const at::Tensor& x, const char* name,
+                              int64_t bits, int64_t group) {
+  check_dim(op, x, (std::string(name) + " ([B, H_kv, T, d])").c_str(), 4);
+  check_floating(op, x, name);
+  check_quant_bits(op, bits);
+  check_quant_group(op, group);
+  check_quant_head_dim(op, x.size(3));
+}
+
+inline void check_k_launch_size(const char* op, const QuantKShape& s, const at::Tensor& k) {
+  DLLM_CHECK(s.B * s.H * s.n_groups <= INT32_MAX && s.T <= INT32_MAX, op,
+             "too many groups for one launch (shape ", k.sizes(), ")");
+}
 
 // quantize_k(k [B, H_kv, T, d], bits, group, protect_p, importance [B, T] | [B, H_kv, T])
 inline QuantKShape check_quantize_k(const at::Tensor& k, int64_t bits, int64_t group,
                                     int64_t protect_p,
                                     const std::optional<at::Tensor>& importance) {
   constexpr const char* op = "quantize_k";
-  check_dim(k, 4, op, "k ([B, H_kv, T, d])");
-  check_floating(k, op, "k");
-  check_quant_bits(op, bits);
-  check_quant_group(op, group);
-  check_quant_head_dim(op, k.size(3));
+  check_quant_input(op, k, "k", bits, group);
   DLLM_CHECK(protect_p >= 0 && protect_p <= math::kQuantMaxProtect && protect_p <= group, op,
              "protect_p must be in 0..", math::kQuantMaxProtect, " (and <= group), got ",
              protect_p);
-  QuantKShape s;
-  s.B = k.size(0), s.H = k.size(1), s.T = k.size(2), s.d = k.size(3);
-  s.G = group, s.bits = bits, s.p = protect_p;
-  s.n_groups = quant_n_groups(s.T, s.G);
-  s.rows = s.n_groups * s.G / math::codes_per_byte(static_cast<int>(bits));
+  const QuantKShape s =
+      packed_k_shape(k.size(0), k.size(1), k.size(2), k.size(3), group, bits, protect_p);
   DLLM_CHECK(!(protect_p > 0 && !importance.has_value()), op,
              "importance is required when protect_p > 0");
   if (importance.has_value()) {
     const at::Tensor& imp = *importance;
-    check_floating(imp, op, "importance");
+    check_floating(op, imp, "importance");
     const bool per_batch = imp.dim() == 2 && imp.size(0) == s.B && imp.size(1) == s.T;
     const bool per_head =
         imp.dim() == 3 && imp.size(0) == s.B && imp.size(1) == s.H && imp.size(2) == s.T;
     DLLM_CHECK(per_batch || per_head, op, "importance must be [B, T] = [", s.B, ", ", s.T,
                "] or [B, H_kv, T] = [", s.B, ", ", s.H, ", ", s.T, "], got ", imp.sizes());
-    check_same_device(k, imp, op, "k", "importance");
+    check_same_device(op, k, "k", imp, "importance");
   }
-  DLLM_CHECK(s.B * s.H * s.n_groups <= INT32_MAX && s.T <= INT32_MAX, op,
-             "too many groups for one launch (shape ", k.sizes(), ")");
+  check_k_launch_size(op, s, k);
   return s;
 }
 
-// k_quant_error(k [B, H_kv, T, d], bits, group)
 // The outputs of quantize_k, allocated like `k` (codes and prot_idx as uint8),
 // and the fp32 importance the kernels read (undefined when p == 0), shared by
 // the CPU and CUDA glue.
 struct QuantKOutputs {
   at::Tensor codes, scale, mn, prot_idx, prot_val;
   at::Tensor importance;     // [B, H, T] or [B, T] fp32 contiguous, or undefined
-  int importance_per_head = 0;
+  bool importance_per_head = false;
 };
 
 inline QuantKOutputs prepare_quantize_k(const QuantKShape& s, const at::Tensor& k,
                                         const std::optional<at::Tensor>& importance) {
   QuantKOutputs o;
   const auto bytes = k.options().dtype(at::kByte);
-  o.codes = at::empty({s.B, s.H, s.rows, s.d}, bytes);
-  o.scale = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
-  o.mn = at::empty({s.B, s.H, s.n_groups, s.d}, k.options());
-  o.prot_idx = at::empty({s.B, s.H, s.n_groups, s.p}, bytes);
-  o.prot_val = at::empty({s.B, s.H, s.n_groups, s.p, s.d}, k.options());
+  const PackedKSizes sizes = packed_k_sizes(s);
+  o.codes = at::empty(sizes.codes, bytes);
+  o.scale = at::empty(sizes.scale, k.options());
+  o.mn = at::empty(sizes.scale, k.options());
+  o.prot_idx = at::empty(sizes.prot_idx, bytes);
+  o.prot_val = at::empty(sizes.prot_val, k.options());
   if (s.p > 0) {
     o.importance = importance->to(at::kFloat).contiguous();
-    o.importance_per_head = o.importance.dim() == 3 ? 1 : 0;
+    o.importance_per_head = o.importance.dim() == 3;
   }
   return o;
 }
 
+// k_quant_error(k [B, H_kv, T, d], bits, group)
 inline QuantKShape check_k_quant_error(const at::Tensor& k, int64_t bits, int64_t group) {
   constexpr const char* op = "k_quant_error";
-  check_dim(k, 4, op, "k ([B, H_kv, T, d])");
-  check_floating(k, op, "k");
-  check_quant_bits(op, bits);
-  check_quant_group(op, group);
-  check_quant_head_dim(op, k.size(3));
-  QuantKShape s;
-  s.B = k.size(0), s.H = k.size(1), s.T = k.size(2), s.d = k.size(3);
-  s.G = group, s.bits = bits, s.p = 0;
-  s.n_groups = quant_n_groups(s.T, s.G);
-  s.rows = s.n_groups * s.G / math::codes_per_byte(static_cast<int>(bits));
-  DLLM_CHECK(s.B * s.H * s.n_groups <= INT32_MAX && s.T <= INT32_MAX, op,
-             "too many groups for one launch (shape ", k.sizes(), ")");
+  check_quant_input(op, k, "k", bits, group);
+  const QuantKShape s = packed_k_shape(k.size(0), k.size(1), k.size(2), k.size(3), group, bits, 0);
+  check_k_launch_size(op, s, k);
   return s;
 }
 
 // quantize_v(v [B, H_kv, T, d], bits, group): d must be a multiple of group.
 inline QuantVShape check_quantize_v(const at::Tensor& v, int64_t bits, int64_t group) {
   constexpr const char* op = "quantize_v";
-  check_dim(v, 4, op, "v ([B, H_kv, T, d])");
-  check_floating(v, op, "v");
-  check_quant_bits(op, bits);
-  check_quant_group(op, group);
-  check_quant_head_dim(op, v.size(3));
+  check_quant_input(op, v, "v", bits, group);
   DLLM_CHECK(v.size(3) % group == 0, op, "head_dim (", v.size(3),
              ") must be a multiple of group (", group, ") for V's channel groups");
-  QuantVShape s;
-  s.B = v.size(0), s.H = v.size(1), s.T = v.size(2), s.d = v.size(3);
-  s.G = group, s.bits = bits, s.n_groups = s.d / group, s.row_bytes = s.d * bits / 8;
+  const QuantVShape s = packed_v_shape(v.size(0), v.size(1), v.size(2), v.size(3), group, bits);
   DLLM_CHECK(s.B * s.H * s.T <= INT32_MAX, op, "too many tokens for one launch (shape ",
              v.sizes(), ")");
   return s;
 }
 
-// A packed K cache: codes uint8 [B, H_kv, rows, d], scale / min [B, H_kv, n_groups, d],
-// prot_idx uint8 [B, H_kv, n_groups, p], prot_val [B, H_kv, n_groups, p, d].
+// The outputs of quantize_v, allocated like `v` (codes as uint8).
+struct QuantVOutputs {
+  at::Tensor codes, scale, mn;
+};
+
+inline QuantVOutputs prepare_quantize_v(const QuantVShape& s, const at::Tensor& v) {
+  const PackedVSizes sizes = packed_v_sizes(s);
+  return {at::empty(sizes.codes, v.options().dtype(at::kByte)), at::empty(sizes.scale, v.options()),
+          at::empty(sizes.scale, v.options())};
+}
+
+// What every packed cache has: valid bits and group, 4-dim uint8 codes, and
+// 4-dim floating scale / min of one dtype. `pre` ("k_", "v_" in
+// quant_attention) prefixes the names in messages; the dims describe the axes.
+inline void check_packed_tensors(const char* op, const std::string& pre, const at::Tensor& codes,
+                                 const char* codes_dims, const at::Tensor& scale,
+                                 const char* scale_dims, const at::Tensor& min, int64_t bits,
+                                 int64_t group) {
+  const std::string n_codes = pre + "codes", n_scale = pre + "scale";
+  check_quant_bits(op, bits, (pre + "bits").c_str());
+  check_quant_group(op, group, (pre + "group").c_str());
+  check_dim(op, codes, (n_codes + " (" + codes_dims + ")").c_str(), 4);
+  check_dtype(op, codes, n_codes.c_str(), at::kByte);
+  check_dim(op, scale, (n_scale + " (" + scale_dims + ")").c_str(), 4);
+  check_floating(op, scale, n_scale.c_str());
+  check_same_dtype(op, scale, n_scale.c_str(), min, (pre + "min").c_str());
+}
+
+// A packed K cache (math/quant_math.h "packed layout"): codes uint8
+// [B, H_kv, rows, d], scale / min [B, H_kv, n_groups, d], prot_idx uint8
+// [B, H_kv, n_groups, p], prot_val [B, H_kv, n_groups, p, d]. B, H_kv, d and p
+// are read from the tensors, the rest follows from length, group and bits.
 inline QuantKShape check_packed_k(const char* op, const at::Tensor& codes, const at::Tensor& scale,
                                   const at::Tensor& min, const at::Tensor& prot_idx,
                                   const at::Tensor& prot_val, int64_t bits, int64_t group,
@@ -152,75 +211,61 @@ inline QuantKShape check_packed_k(const char* op, const at::Tensor& codes, const
   const std::string pre(prefix);
   const std::string n_codes = pre + "codes", n_scale = pre + "scale", n_min = pre + "min",
                     n_idx = pre + "prot_idx", n_val = pre + "prot_val";
-  check_quant_bits(op, bits, (pre + "bits").c_str());
-  check_quant_group(op, group, (pre + "group").c_str());
+  check_packed_tensors(op, pre, codes, "[B, H_kv, rows, d]", scale, "[B, H_kv, n_groups, d]", min,
+                       bits, group);
   DLLM_CHECK(length >= 0, op, "length must be >= 0, got ", length);
-  check_dim(codes, 4, op, (n_codes + " ([B, H_kv, rows, d])").c_str());
-  check_dtype(codes, at::kByte, op, n_codes.c_str());
-  check_dim(scale, 4, op, (n_scale + " ([B, H_kv, n_groups, d])").c_str());
-  check_floating(scale, op, n_scale.c_str());
-  check_same_dtype(scale, min, op, n_scale.c_str(), n_min.c_str());
-  check_same_dtype(scale, prot_val, op, n_scale.c_str(), n_val.c_str());
-  check_dtype(prot_idx, at::kByte, op, n_idx.c_str());
-  QuantKShape s;
-  s.B = codes.size(0), s.H = codes.size(1), s.d = codes.size(3), s.T = length;
-  s.G = group, s.bits = bits;
-  s.n_groups = quant_n_groups(length, group);
-  s.rows = s.n_groups * group / math::codes_per_byte(static_cast<int>(bits));
+  check_same_dtype(op, scale, n_scale.c_str(), prot_val, n_val.c_str());
+  check_dtype(op, prot_idx, n_idx.c_str(), at::kByte);
+  DLLM_CHECK(prot_idx.dim() == 4, op, n_idx, " must be [B, H_kv, n_groups, p], got ",
+             prot_idx.sizes());
+  QuantKShape s = packed_k_shape(codes.size(0), codes.size(1), length, codes.size(3), group,
+                                 bits, prot_idx.size(3));
   check_quant_head_dim(op, s.d);
+  const PackedKSizes want = packed_k_sizes(s);
   DLLM_CHECK(codes.size(2) == s.rows, op, n_codes, " must have ", s.rows,
              " byte rows (ceil(length / group) * group * bits / 8 for length ", length,
              ", group ", group, ", bits ", bits, "), got shape ", codes.sizes());
-  const auto want = std::vector<int64_t>{s.B, s.H, s.n_groups, s.d};
-  DLLM_CHECK(scale.sizes() == at::IntArrayRef(want), op, n_scale, " must be [B, H_kv, n_groups, d] = ",
-             at::IntArrayRef(want), ", got ", scale.sizes());
-  check_same_shape(scale, min, op, n_scale.c_str(), n_min.c_str());
-  DLLM_CHECK(prot_idx.dim() == 4 && prot_idx.size(0) == s.B && prot_idx.size(1) == s.H &&
-                 prot_idx.size(2) == s.n_groups,
-             op, n_idx, " must be [B, H_kv, n_groups, p] = [", s.B, ", ", s.H, ", ", s.n_groups,
+  DLLM_CHECK(scale.sizes() == at::IntArrayRef(want.scale), op, n_scale,
+             " must be [B, H_kv, n_groups, d] = ", at::IntArrayRef(want.scale), ", got ",
+             scale.sizes());
+  check_same_shape(op, scale, n_scale.c_str(), min, n_min.c_str());
+  DLLM_CHECK(prot_idx.sizes() == at::IntArrayRef(want.prot_idx), op, n_idx,
+             " must be [B, H_kv, n_groups, p] = [", s.B, ", ", s.H, ", ", s.n_groups,
              ", p], got ", prot_idx.sizes());
-  s.p = prot_idx.size(3);
   DLLM_CHECK(s.p <= math::kQuantMaxProtect && s.p <= group, op, n_idx, " holds ", s.p,
              " protected tokens per group; at most ", math::kQuantMaxProtect, " (and <= group)");
-  DLLM_CHECK(prot_val.dim() == 5 && prot_val.size(0) == s.B && prot_val.size(1) == s.H &&
-                 prot_val.size(2) == s.n_groups && prot_val.size(3) == s.p &&
-                 prot_val.size(4) == s.d,
-             op, n_val, " must be [B, H_kv, n_groups, p, d] = [", s.B, ", ", s.H, ", ",
-             s.n_groups, ", ", s.p, ", ", s.d, "], got ", prot_val.sizes());
+  DLLM_CHECK(prot_val.sizes() == at::IntArrayRef(want.prot_val), op, n_val,
+             " must be [B, H_kv, n_groups, p, d] = ", at::IntArrayRef(want.prot_val), ", got ",
+             prot_val.sizes());
   for (const at::Tensor* t : {&scale, &min, &prot_idx, &prot_val})
-    check_same_device(codes, *t, op, n_codes.c_str(), "the other packed K tensors");
+    check_same_device(op, codes, n_codes.c_str(), *t, "the other packed K tensors");
   DLLM_CHECK(s.B * s.H * s.n_groups <= INT32_MAX && s.T <= INT32_MAX, op,
              "too many groups for one launch");
   return s;
 }
 
-// A packed V cache: codes uint8 [B, H_kv, T, d * bits / 8], scale / min [B, H_kv, T, d / group].
+// A packed V cache: codes uint8 [B, H_kv, T, d * bits / 8], scale / min
+// [B, H_kv, T, d / group]; d is read from scale (its groups times group).
 inline QuantVShape check_packed_v(const char* op, const at::Tensor& codes, const at::Tensor& scale,
                                   const at::Tensor& min, int64_t bits, int64_t group,
                                   const char* prefix = "") {
   const std::string pre(prefix);
   const std::string n_codes = pre + "codes", n_scale = pre + "scale", n_min = pre + "min";
-  check_quant_bits(op, bits, (pre + "bits").c_str());
-  check_quant_group(op, group, (pre + "group").c_str());
-  check_dim(codes, 4, op, (n_codes + " ([B, H_kv, T, d * bits / 8])").c_str());
-  check_dtype(codes, at::kByte, op, n_codes.c_str());
-  check_dim(scale, 4, op, (n_scale + " ([B, H_kv, T, d / group])").c_str());
-  check_floating(scale, op, n_scale.c_str());
-  check_same_dtype(scale, min, op, n_scale.c_str(), n_min.c_str());
-  check_same_shape(scale, min, op, n_scale.c_str(), n_min.c_str());
-  QuantVShape s;
-  s.B = codes.size(0), s.H = codes.size(1), s.T = codes.size(2);
-  s.G = group, s.bits = bits, s.n_groups = scale.size(3);
-  s.d = s.n_groups * group, s.row_bytes = s.d * bits / 8;
-  DLLM_CHECK(scale.size(0) == s.B && scale.size(1) == s.H && scale.size(2) == s.T, op, n_scale,
+  check_packed_tensors(op, pre, codes, "[B, H_kv, T, d * bits / 8]", scale,
+                       "[B, H_kv, T, d / group]", min, bits, group);
+  check_same_shape(op, scale, n_scale.c_str(), min, n_min.c_str());
+  const QuantVShape s = packed_v_shape(codes.size(0), codes.size(1), codes.size(2),
+                                       scale.size(3) * group, group, bits);
+  const PackedVSizes want = packed_v_sizes(s);
+  DLLM_CHECK(scale.sizes() == at::IntArrayRef(want.scale), op, n_scale,
              " must be [B, H_kv, T, d / group] with ", n_codes, "'s B, H_kv, T = ", s.B, ", ",
              s.H, ", ", s.T, ", got ", scale.sizes());
   check_quant_head_dim(op, s.d);
-  DLLM_CHECK(codes.size(3) == s.row_bytes, op, n_codes, " rows must hold d * bits / 8 = ",
-             s.row_bytes, " bytes (d = ", s.d, " from ", n_scale, " and group ", group,
-             "), got shape ", codes.sizes());
-  check_same_device(codes, scale, op, n_codes.c_str(), n_scale.c_str());
-  check_same_device(codes, min, op, n_codes.c_str(), n_min.c_str());
+  DLLM_CHECK(codes.sizes() == at::IntArrayRef(want.codes), op, n_codes,
+             " rows must hold d * bits / 8 = ", s.row_bytes, " bytes (d = ", s.d, " from ",
+             n_scale, " and group ", group, "), got shape ", codes.sizes());
+  check_same_device(op, codes, n_codes.c_str(), scale, n_scale.c_str());
+  check_same_device(op, codes, n_codes.c_str(), min, n_min.c_str());
   DLLM_CHECK(s.B * s.H * s.T <= INT32_MAX, op, "too many tokens for one launch");
   return s;
 }
@@ -239,16 +284,16 @@ inline QuantAttnShape check_quant_attention(
     const at::Tensor& v_min, int64_t v_bits, int64_t v_group,
     const std::optional<at::Tensor>& key_valid, double scale) {
   constexpr const char* op = "quant_attention";
-  check_dim(q, 4, op, "q ([B, Q, H, d])");
-  check_floating(q, op, "q");
+  check_dim(op, q, "q ([B, Q, H, d])", 4);
+  check_floating(op, q, "q");
   QuantAttnShape s;
   s.v = check_packed_v(op, v_codes, v_scale, v_min, v_bits, v_group, "v_");
   s.k = check_packed_k(op, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
                        s.v.T, "k_");
   s.B = q.size(0), s.Q = q.size(1), s.H = q.size(2), s.d = q.size(3);
   s.H_kv = s.k.H, s.T = s.v.T;
-  check_same_dtype(q, k_scale, op, "q", "k_scale");
-  check_same_dtype(q, v_scale, op, "q", "v_scale");
+  check_same_dtype(op, q, "q", k_scale, "k_scale");
+  check_same_dtype(op, q, "q", v_scale, "v_scale");
   DLLM_CHECK(s.k.B == s.B && s.v.B == s.B, op, "the packed caches' batch (", s.k.B, ", ", s.v.B,
              ") must match q's (", s.B, ")");
   DLLM_CHECK(s.v.H == s.H_kv, op, "packed K has ", s.H_kv, " heads but packed V has ", s.v.H);
@@ -258,21 +303,21 @@ inline QuantAttnShape check_quant_attention(
              s.H_kv, ")");
   DLLM_CHECK(s.T > 0, op, "the cache must hold at least one key (T > 0)");
   DLLM_CHECK(std::isfinite(scale), op, "scale must be finite, got ", scale);
-  check_same_device(q, k_codes, op, "q", "k_codes");
-  check_same_device(q, v_codes, op, "q", "v_codes");
+  check_same_device(op, q, "q", k_codes, "k_codes");
+  check_same_device(op, q, "q", v_codes, "v_codes");
   if (key_valid.has_value()) {
     const at::Tensor& kv = *key_valid;
-    check_dtype(kv, at::kBool, op, "key_valid");
+    check_dtype(op, kv, "key_valid", at::kBool);
     DLLM_CHECK(kv.dim() == 2 && kv.size(0) == s.B && kv.size(1) == s.T, op,
                "key_valid must be [B, T] = [", s.B, ", ", s.T, "], got ", kv.sizes());
-    check_same_device(q, kv, op, "q", "key_valid");
+    check_same_device(op, q, "q", kv, "key_valid");
   }
   return s;
 }
 
 // Fixed priority, so a tensor with several faults gets the same message on
 // every backend whatever order the kernels met them in.
-inline void throw_quant_status(const char* op, int status, const char* x_name = "k") {
+inline void raise_quant_status(const char* op, int status, const char* x_name = "k") {
   DLLM_CHECK(!(status & math::kQuantNonFinite), op, x_name,
              " must be finite (found NaN or +-inf)");
   DLLM_CHECK(!(status & math::kQuantNanImportance), op,

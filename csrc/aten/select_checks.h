@@ -2,8 +2,8 @@
 // so both backends reject exactly the same inputs with the same messages.
 #pragma once
 
-#include "common/checks.h"
-#include "common/select_math.h"
+#include "aten/checks.h"
+#include "math/select_math.h"
 
 #include <ATen/ATen.h>
 
@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace dllm {
 
@@ -18,42 +19,40 @@ namespace dllm {
 inline void check_cosine_drift(const at::Tensor& x, const at::Tensor& x_prev) {
   constexpr const char* op = "cosine_drift";
   DLLM_CHECK(x.dim() >= 1, op, "x must have at least 1 dim ([..., D]), got a scalar");
-  check_floating(x, op, "x");
-  check_floating(x_prev, op, "x_prev");
-  check_same_dtype(x, x_prev, op, "x", "x_prev");
-  check_same_shape(x, x_prev, op, "x", "x_prev");
-  check_same_device(x, x_prev, op, "x", "x_prev");
+  check_floating(op, x, "x");
+  check_floating(op, x_prev, "x_prev");
+  check_same_dtype(op, x, "x", x_prev, "x_prev");
+  check_same_shape(op, x, "x", x_prev, "x_prev");
+  check_same_device(op, x, "x", x_prev, "x_prev");
   DLLM_CHECK(x.size(-1) > 0, op, "the feature dim D must be > 0, got shape ", x.sizes());
 }
 
 // ---- token_confidence ---------------------------------------------------------
 
 inline math::ConfMode parse_conf_mode(c10::string_view mode) {
-  if (mode == "prob") return math::kConfProb;
-  if (mode == "margin") return math::kConfMargin;
-  if (mode == "neg_entropy") return math::kConfNegEntropy;
-  DLLM_CHECK(false, "token_confidence", "mode must be 'prob', 'margin' or 'neg_entropy', got '",
-             std::string(mode), "'");
-  return math::kConfProb;
+  return parse_choice<math::ConfMode>(
+      "token_confidence", "mode", mode,
+      {{"prob", math::kConfProb}, {"margin", math::kConfMargin},
+       {"neg_entropy", math::kConfNegEntropy}});
 }
 
 // Shapes, dtypes and devices; values (NaN, suppress range) are checked by the
-// kernels, which report through token_confidence_raise.
+// kernels, which report through raise_token_confidence_status.
 inline void check_token_confidence(const at::Tensor& logits, double temperature,
                                    const std::optional<at::Tensor>& suppress,
                                    const std::optional<at::Tensor>& noise) {
   constexpr const char* op = "token_confidence";
-  check_dim(logits, 2, op, "logits ([N, V])");
-  check_floating(logits, op, "logits");
+  check_dim(op, logits, "logits ([N, V])", 2);
+  check_floating(op, logits, "logits");
   DLLM_CHECK(logits.size(1) > 0, op, "the vocabulary dim V must be > 0, got shape ",
              logits.sizes());
   DLLM_CHECK(logits.size(1) < INT32_MAX, op, "V must be < 2^31 - 1, got ", logits.size(1));
   DLLM_CHECK(std::isfinite(temperature) && temperature >= 0, op,
              "temperature must be finite and >= 0, got ", temperature);
   if (suppress) {
-    check_dtype(*suppress, at::kLong, op, "suppress");
-    check_dim(*suppress, 1, op, "suppress");
-    check_same_device(logits, *suppress, op, "logits", "suppress");
+    check_dtype(op, *suppress, "suppress", at::kLong);
+    check_dim(op, *suppress, "suppress", 1);
+    check_same_device(op, logits, "logits", *suppress, "suppress");
   }
   if (temperature > 0) {
     DLLM_CHECK(noise.has_value(), op,
@@ -63,19 +62,22 @@ inline void check_token_confidence(const at::Tensor& logits, double temperature,
                "noise is given but temperature is 0 (greedy); pass noise=None or a temperature > 0");
   }
   if (noise) {
-    check_dtype(*noise, at::kFloat, op, "noise");
-    check_same_shape(logits, *noise, op, "logits", "noise");
-    check_same_device(logits, *noise, op, "logits", "noise");
+    check_dtype(op, *noise, "noise", at::kFloat);
+    check_same_shape(op, logits, "logits", *noise, "noise");
+    check_same_device(op, logits, "logits", *noise, "noise");
   }
 }
 
-// Error path (never taken on valid input): says which id / row is bad and why.
-// Runs on CPU copies, so the CPU and CUDA backends raise the same message.
-[[noreturn]] inline void token_confidence_raise(const at::Tensor& logits,
-                                                const std::optional<at::Tensor>& suppress,
-                                                const std::optional<at::Tensor>& noise,
-                                                const at::Tensor& score) {
+// Error path (math::ConfidenceStatus bits; never taken on valid input): says
+// which id / row is bad and why. Runs on CPU copies, so the CPU and CUDA
+// backends raise the same message. `score` may be undefined when only the
+// suppress ids were checked.
+inline void raise_token_confidence_status(int status, const at::Tensor& logits,
+                                          const std::optional<at::Tensor>& suppress,
+                                          const std::optional<at::Tensor>& noise,
+                                          const at::Tensor& score) {
   constexpr const char* op = "token_confidence";
+  if (status == 0) return;
   const int64_t V = logits.size(1);
   at::Tensor ids;
   if (suppress) {
@@ -101,37 +103,30 @@ inline void check_token_confidence(const at::Tensor& logits, double temperature,
                r, " contains NaN");
   }
   DLLM_CHECK(false, op, "logits row ", r, " is invalid");
-  __builtin_unreachable();
 }
 
 // ---- select_transfer ----------------------------------------------------------
 
 inline math::TransferRule parse_transfer_rule(c10::string_view rule) {
-  if (rule == "topk") return math::kRuleTopk;
-  if (rule == "threshold") return math::kRuleThreshold;
-  if (rule == "factor") return math::kRuleFactor;
-  DLLM_CHECK(false, "select_transfer", "rule must be 'topk', 'threshold' or 'factor', got '",
-             std::string(rule), "'");
-  return math::kRuleTopk;
+  return parse_choice<math::TransferRule>(
+      "select_transfer", "rule", rule,
+      {{"topk", math::kRuleTopk}, {"threshold", math::kRuleThreshold},
+       {"factor", math::kRuleFactor}});
 }
 
 inline void check_select_transfer(const at::Tensor& score, const at::Tensor& candidate,
                                   math::TransferRule rule, const std::optional<at::Tensor>& k,
                                   double threshold, double factor) {
   constexpr const char* op = "select_transfer";
-  check_dim(score, 2, op, "score ([B, L])");
-  check_floating(score, op, "score");
-  check_dtype(candidate, at::kBool, op, "candidate");
-  check_same_shape(score, candidate, op, "score", "candidate");
-  check_same_device(score, candidate, op, "score", "candidate");
+  check_values_and_mask(op, score, "score", candidate, "candidate", "[B, L]");
   DLLM_CHECK(score.size(1) < INT32_MAX, op, "L must be < 2^31 - 1, got ", score.size(1));
   if (rule == math::kRuleTopk) {
     DLLM_CHECK(k.has_value(), op, "rule 'topk' needs k (int64 [B])");
-    check_dtype(*k, at::kLong, op, "k");
-    check_dim(*k, 1, op, "k");
+    check_dtype(op, *k, "k", at::kLong);
+    check_dim(op, *k, "k", 1);
     DLLM_CHECK(k->size(0) == score.size(0), op, "k must have B = ", score.size(0),
                " entries, got ", k->size(0));
-    check_same_device(score, *k, op, "score", "k");
+    check_same_device(op, score, "score", *k, "k");
   } else {
     DLLM_CHECK(!k.has_value(), op, "k is only used by rule 'topk'");
   }
@@ -141,14 +136,12 @@ inline void check_select_transfer(const at::Tensor& score, const at::Tensor& can
     DLLM_CHECK(std::isfinite(factor), op, "factor must be finite, got ", factor);
 }
 
-// Status bits the select_transfer kernels report.
-constexpr int kTransferBadK = 1;
-constexpr int kTransferNaN = 2;
-
-[[noreturn]] inline void select_transfer_raise(const at::Tensor& score,
-                                               const at::Tensor& candidate,
-                                               const std::optional<at::Tensor>& k) {
+// Error path of math::TransferStatus bits: names the first bad row and why.
+inline void raise_select_transfer_status(int status, const at::Tensor& score,
+                                         const at::Tensor& candidate,
+                                         const std::optional<at::Tensor>& k) {
   constexpr const char* op = "select_transfer";
+  if (status == 0) return;
   const auto cand = candidate.cpu();
   if (k) {
     const auto kc = k->cpu();
@@ -171,15 +164,14 @@ constexpr int kTransferNaN = 2;
                nan[0][0].item<int64_t>(), ", position ", nan[0][1].item<int64_t>(), ")");
   }
   DLLM_CHECK(false, op, "internal error: a kernel flagged bad input that the host cannot find");
-  __builtin_unreachable();
 }
 
 // ---- certainty_density ---------------------------------------------------------
 
 inline void check_certainty_density(const at::Tensor& decoded, double sigma) {
   constexpr const char* op = "certainty_density";
-  check_dim(decoded, 2, op, "decoded ([B, G])");
-  check_dtype(decoded, at::kBool, op, "decoded");
+  check_dim(op, decoded, "decoded ([B, G])", 2);
+  check_dtype(op, decoded, "decoded", at::kBool);
   DLLM_CHECK(std::isfinite(sigma) && sigma > 0, op, "sigma must be finite and > 0, got ", sigma);
   DLLM_CHECK(decoded.size(1) < INT32_MAX / 4, op, "G must be < 2^29, got ", decoded.size(1));
 }
@@ -188,23 +180,55 @@ inline void check_certainty_density(const at::Tensor& decoded, double sigma) {
 
 inline void check_drift_select(const char* op, const at::Tensor& drift, const at::Tensor& region,
                                int64_t max_recompute) {
-  check_dim(drift, 2, op, "drift ([B, T])");
-  check_floating(drift, op, "drift");
-  check_dtype(region, at::kBool, op, "region");
-  check_same_shape(drift, region, op, "drift", "region");
-  check_same_device(drift, region, op, "drift", "region");
+  check_values_and_mask(op, drift, "drift", region, "region", "[B, T]");
   DLLM_CHECK(drift.size(1) < INT32_MAX, op, "T must be < 2^31 - 1, got ", drift.size(1));
   DLLM_CHECK(max_recompute >= 0 && max_recompute < INT32_MAX, op,
              "max_recompute must be in [0, 2^31 - 1), got ", max_recompute);
 }
 
-// Status bits the drift_select kernels report.
-constexpr int kDriftNaN = 1;
-constexpr int kDriftOverflow = 2;
+// Which tokens drift_select / drift_select_threshold reuse: the `param`
+// fraction of the region with the lowest drift (by_fraction), or those whose
+// drift is below the threshold `param`. Checked here for both backends.
+struct DriftRule {
+  const char* op;
+  bool by_fraction;
+  double param;
+};
 
-[[noreturn]] inline void drift_select_raise(const char* op, const at::Tensor& drift,
-                                            const at::Tensor& region, const at::Tensor& count,
-                                            int64_t max_recompute) {
+inline DriftRule drift_rule_fraction(double reuse_fraction) {
+  DLLM_CHECK(reuse_fraction >= 0 && reuse_fraction < 1, "drift_select",
+             "reuse_fraction must be in [0, 1), got ", reuse_fraction);
+  return {"drift_select", true, reuse_fraction};
+}
+
+inline DriftRule drift_rule_threshold(double threshold) {
+  DLLM_CHECK(!std::isnan(threshold), "drift_select_threshold", "threshold must not be NaN");
+  return {"drift_select_threshold", false, threshold};
+}
+
+// The two schemas on one backend's implementation, impl(rule, drift, region,
+// max_recompute): what each backend registers (cpu/select.cpp, cuda/select.cu).
+using DriftSelectResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using DriftSelectImpl = DriftSelectResult (*)(const DriftRule&, const at::Tensor&,
+                                              const at::Tensor&, int64_t);
+
+template <DriftSelectImpl impl>
+DriftSelectResult drift_select_op(const at::Tensor& drift, const at::Tensor& region,
+                                  double reuse_fraction, int64_t max_recompute) {
+  return impl(drift_rule_fraction(reuse_fraction), drift, region, max_recompute);
+}
+
+template <DriftSelectImpl impl>
+DriftSelectResult drift_select_threshold_op(const at::Tensor& drift, const at::Tensor& region,
+                                            double threshold, int64_t max_recompute) {
+  return impl(drift_rule_threshold(threshold), drift, region, max_recompute);
+}
+
+// Error path of math::DriftStatus bits: names the first bad row and why.
+inline void raise_drift_select_status(const char* op, int status, const at::Tensor& drift,
+                                      const at::Tensor& region, const at::Tensor& count,
+                                      int64_t max_recompute) {
+  if (status == 0) return;
   const auto nan = at::logical_and(drift.cpu().isnan(), region.cpu()).nonzero();
   if (nan.size(0) > 0) {
     DLLM_CHECK(false, op, "drift is NaN at a region position (row ", nan[0][0].item<int64_t>(),
@@ -218,7 +242,6 @@ constexpr int kDriftOverflow = 2;
                " tokens to recompute but max_recompute is ", max_recompute);
   }
   DLLM_CHECK(false, op, "internal error: a kernel flagged bad input that the host cannot find");
-  __builtin_unreachable();
 }
 
 }  // namespace dllm

@@ -1,8 +1,7 @@
-// CPU row kernels of token_confidence, written once and compiled per
-// instruction set: csrc/cpu/select.cpp includes this file (no include guard)
-// several times, each inside its own namespace and `#pragma GCC target`
-// region, with DLLM_VEC_FLOATS floats per vector (4: SSE2, 8: AVX2,
-// 16: AVX-512), and picks one at run time.
+// CPU row kernels of token_confidence, compiled once per instruction set
+// (cpu/isa.h: csrc/cpu/select.cpp includes this header through isa.h, inside
+// namespaces isa_generic / isa_avx2 / isa_avx512, with DLLM_VEC_FLOATS floats
+// per vector: 4 for SSE2, 8 for AVX2, 16 for AVX-512). No include guard.
 //
 // The loops use GCC vector extensions, not auto-vectorization: without
 // -fno-trapping-math GCC will not if-convert the selects of a vectorized exp,
@@ -16,6 +15,7 @@
 // chunk. Sums are Kahan-compensated per lane and per chunk: a row of many
 // equal bf16 values sums as accurately as a random one.
 
+constexpr int kChunk = 2048;  // logits per chunk: 8 KiB of fp32 staging, within L1
 constexpr int kVec = DLLM_VEC_FLOATS;
 constexpr int kPad = 2 * kVec;  // the sum loops take two vectors per step (two Kahan chains)
 typedef float vf __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
@@ -270,9 +270,9 @@ float neg_entropy_eps_pass(const T* __restrict__ x, int64_t V, const math::Softm
 template <typename T, int kMode, bool kNoisy>
 void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const float* noise,
                      int64_t nld, double temperature, const SuppressList& sup, int64_t* token,
-                     float* score, std::atomic<int>* any_bad) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / V);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+                     float* score, cpu::FaultBits* faults) {
+  at::parallel_for(0, N, cpu::grain_items(cpu::kGrainStreamElems, V),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* x = logits + r * ld;
       const ConfRow row = confidence_pass<T, kMode, kNoisy>(
@@ -282,7 +282,7 @@ void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const fl
         eps_sum = neg_entropy_eps_pass(x, V, math::softmax_top_folded(row.st), sup);
       token[r] = math::confidence_token(row.st, kNoisy, row.na);
       score[r] = math::confidence_score(row.st, kMode, kNoisy, row.na, eps_sum);
-      if (!math::softmax_top_ok(row.st)) any_bad->store(1, std::memory_order_relaxed);
+      if (!math::softmax_top_ok(row.st)) faults->add(math::kConfBadRow);
     }
   });
 }

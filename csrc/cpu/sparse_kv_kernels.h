@@ -1,0 +1,216 @@
+// The vectorized loops of the `sparse_kv` CPU kernels (csrc/cpu/sparse_kv.cpp):
+// RoPE rows and the softmax, transpose and head-sum passes of sparse_attention,
+// compiled once per instruction set (cpu/isa.h; no include guard). With FMA
+// (the AVX2 and AVX-512 copies) GCC contracts the multiply-adds of exp_poly
+// and rope_rotate_pair, so results differ in the last bit between copies:
+// the tests compare with the float64 oracle within a bound. The loops are
+// DLLM_CPU_NOINLINE: one call per row or tile, and a loop inlined into its
+// (generic) caller loses its restrict guarantees and stays scalar.
+
+// ---- element conversions, in plain integer ops so loops over them vectorize ----
+
+// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  const uint16_t rounded = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  return (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40u) : rounded;
+}
+
+static inline __attribute__((always_inline)) float bf16_bits_to_float(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+// How the loops read and write an element of a cache dtype: fp32 as is, bf16
+// through its integer bits (so the loops vectorize), fp16 through c10's
+// conversions (a rare cache dtype). Rounding is to nearest even throughout.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  using Bits = float;
+  static inline __attribute__((always_inline)) float load(float x) { return x; }
+  static inline __attribute__((always_inline)) float store(float x) { return x; }
+};
+template <>
+struct Elem<at::BFloat16> {
+  using Bits = uint16_t;
+  static inline __attribute__((always_inline)) float load(uint16_t h) {
+    return bf16_bits_to_float(h);
+  }
+  static inline __attribute__((always_inline)) uint16_t store(float x) { return bf16_bits_rne(x); }
+};
+template <>
+struct Elem<at::Half> {
+  using Bits = at::Half;
+  static inline __attribute__((always_inline)) float load(at::Half x) {
+    return static_cast<float>(x);
+  }
+  static inline __attribute__((always_inline)) at::Half store(float x) {
+    return static_cast<at::Half>(x);
+  }
+};
+
+// ============================================================================
+// rope_scatter_kv
+// ============================================================================
+
+// Contiguous head rows of fp32 / bf16, the common case: widened into fp32
+// staging rows first, so src == dst (q in place) is safe and both loops
+// vectorize. half <= kSparseKvMaxHeadDim / 2.
+template <typename T>
+DLLM_CPU_NOINLINE void rotate_row_contig(const T* src_, T* dst_, const float* __restrict__ cos_a,
+                                         const float* __restrict__ sin_a, int64_t half) {
+  using E = Elem<T>;
+  const auto* src = reinterpret_cast<const typename E::Bits*>(src_);
+  auto* dst = reinterpret_cast<typename E::Bits*>(dst_);
+  float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
+  for (int64_t i = 0; i < half; ++i) lo[i] = E::load(src[i]), hi[i] = E::load(src[i + half]);
+  for (int64_t i = 0; i < half; ++i) {
+    const math::RotatedPair r = math::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
+    dst[i] = E::store(r.lo);
+    dst[i + half] = E::store(r.hi);
+  }
+}
+
+// ============================================================================
+// sparse_attention
+// ============================================================================
+
+// exp(x) for the softmax weights, written so the compiler vectorizes it:
+// Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-7 Taylor polynomial
+// (truncation error < 6e-9, so about 1 ulp of fp32 overall), 2^n through the
+// exponent bits. The device kernels use expf instead. Arguments are
+// clamped to [-87, 88] (exp(-87) = 1.6e-38: a weight that small is zero in
+// any sum with the row maximum, whose weight is 1).
+static inline __attribute__((always_inline)) float exp_poly(float x) {
+  x = x < -87.f ? -87.f : x;
+  x = x > 88.f ? 88.f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln2)
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// Pass 1: column maxima of scale * S^T over valid keys.
+DLLM_CPU_NOINLINE inline void column_max(const float* __restrict__ st,
+                                         const bool* __restrict__ valid, int64_t T, int64_t M,
+                                         float scale, float* __restrict__ mx) {
+  for (int64_t r = 0; r < M; ++r) mx[r] = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) {
+    if (valid && !valid[t]) continue;
+    const float* row = st + t * M;
+    for (int64_t r = 0; r < M; ++r) mx[r] = std::max(mx[r], row[r] * scale);
+  }
+}
+
+// Pass 2: S^T <- exp(scale * S^T - max) (exactly 0 on masked keys), column sums.
+DLLM_CPU_NOINLINE inline void column_exp_sum(float* __restrict__ st,
+                                             const bool* __restrict__ valid, int64_t T, int64_t M,
+                                             float scale, const float* __restrict__ mx,
+                                             float* __restrict__ sum) {
+  for (int64_t r = 0; r < M; ++r) sum[r] = 0.f;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = st + t * M;
+    if (valid && !valid[t]) {
+      for (int64_t r = 0; r < M; ++r) row[r] = 0.f;
+      continue;
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const float e = exp_poly(row[r] * scale - mx[r]);
+      row[r] = e;
+      sum[r] += e;
+    }
+  }
+}
+
+// dst [cols, rows] = src [rows, cols]^T in 16x16 blocks, so both sides
+// stream through cache lines; row_map(c) gives the map that takes the
+// elements of output row c from the src type to the dst type.
+template <typename In, typename Out, typename RowMap>
+DLLM_CPU_NOINLINE void transpose_blocks(const In* __restrict__ src, int64_t rows, int64_t cols,
+                                        Out* __restrict__ dst, RowMap row_map) {
+  constexpr int64_t kB = 16;
+  for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+    const int64_t c1 = std::min(cols, c0 + kB);
+    for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB);
+      for (int64_t c = c0; c < c1; ++c) {
+        const auto map = row_map(c);
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = map(src[r * cols + c]);
+      }
+    }
+  }
+}
+
+// Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype P.
+template <typename P>
+inline void normalize_transpose(const float* st, const float* inv, int64_t T, int64_t M, P* p) {
+  using E = Elem<P>;
+  transpose_blocks(st, T, M, reinterpret_cast<typename E::Bits*>(p), [inv](int64_t r) {
+    const float inv_r = inv[r];
+    return [inv_r](float x) { return E::store(x * inv_r); };
+  });
+}
+
+// dst [cols, rows] = src [rows, cols]^T for 2- or 4-byte elements.
+template <typename E>
+inline void transpose_blocked(const E* src, int64_t rows, int64_t cols, E* dst) {
+  transpose_blocks(src, rows, cols, dst, [](int64_t) { return [](E x) { return x; }; });
+}
+
+// dst[i] = src[i] rounded to the output dtype O (round to nearest even).
+template <typename O>
+DLLM_CPU_NOINLINE void store_floats(const float* __restrict__ src, int64_t n, O* __restrict__ dst_) {
+  if constexpr (std::is_same_v<O, float>) {
+    std::memcpy(dst_, src, n * sizeof(float));
+  } else {
+    using E = Elem<O>;
+    auto* __restrict__ dst = reinterpret_cast<typename E::Bits*>(dst_);
+    for (int64_t i = 0; i < n; ++i) dst[i] = E::store(src[i]);
+  }
+}
+
+// probs_acc[qi, t] (+)= sum over the G heads of query qi of P[qi*G + g, t],
+// from the fp32 probabilities pf [M, T] (before any rounding to the gemm dtype).
+DLLM_CPU_NOINLINE inline void accumulate_head_probs(const float* __restrict__ pf, int64_t T,
+                                                    int64_t Qt, int64_t G, bool first,
+                                                    float* __restrict__ acc, int64_t acc_stride) {
+  for (int64_t qi = 0; qi < Qt; ++qi) {
+    float* __restrict__ out = acc + qi * acc_stride;
+    const float* rows = pf + qi * G * T;
+    if (first)
+      for (int64_t t = 0; t < T; ++t) out[t] = rows[t];
+    else
+      for (int64_t t = 0; t < T; ++t) out[t] += rows[t];
+    for (int64_t g = 1; g < G; ++g)
+      for (int64_t t = 0; t < T; ++t) out[t] += rows[g * T + t];
+  }
+}
+
+DLLM_CPU_NOINLINE inline void scale_rows(float* __restrict__ x, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+// Sum of `parts` arrays of n floats spaced `stride` apart, times s.
+DLLM_CPU_NOINLINE inline void sum_parts(const float* __restrict__ parts, int64_t n_parts,
+                                        int64_t stride, int64_t n, float s,
+                                        float* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = parts[i];
+  for (int64_t k = 1; k < n_parts; ++k)
+    for (int64_t i = 0; i < n; ++i) out[i] += parts[k * stride + i];
+  for (int64_t i = 0; i < n; ++i) out[i] *= s;
+}
