@@ -337,6 +337,44 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
         A batch row with no valid key at all has ``out == 0`` and
         ``probs_mean == 0`` for every query (rather than NaN).
+
+    CUDA, split-KV: a block of the kernel owns a tile of 16 of the ``Q * G``
+    query rows of one KV head (8 for ``d > 128``) and streams all T keys, so
+    the grid has ``B * H_kv * ceil(Q * G / 16)`` blocks however long T is. Where that is under ``2 * SMs`` (two resident blocks per SM, so one
+    computes while the other waits for its next K/V tile), the keys are cut
+    into chunks as flash-decoding does: each block folds one chunk and parks
+    its (max, sum, unnormalised fp32 output), and a combine kernel merges the
+    chunks by log-sum-exp. Chunks are whole key tiles (32 keys; 16 for
+    ``d > 128``) of at least 128 keys, and their count is the smallest that
+    reaches ``2 * SMs`` blocks (``csrc/cuda/attention_tile.cuh``
+    ``attention_key_splits``). On an H200 (132 SMs: a target of 264 blocks) at
+    LLaDA-8B shapes (B = 1, H = H_kv = 32, d = 128):
+
+    ====  ====  ======================  ======  ==========  ==========
+    Q     T     blocks unsplit          chunks  keys/chunk  blocks
+    ====  ====  ======================  ======  ==========  ==========
+    32    768   32 heads x 2 = 64       5       160         320
+    32    4096  64                      5       832         320
+    1-16  768   32 x 1 = 32             6 [1]   128         192
+    1-16  4096  32                      9       480         288
+    128   4096  32 x 8 = 256            2       2048        512
+    768   768   32 x 48 = 1536          1       (no split)  1536
+    ====  ====  ======================  ======  ==========  ==========
+
+    [1] 9 wanted (264 / 32), but 768 keys hold only 6 chunks of 128. Dream-7B
+    (H = 28, H_kv = 4: 7 heads a KV head) at Q = 32 has 4 x 14 = 56 blocks:
+    5 chunks. The cost of a split: the workspace, ``chunks * B * Q * H * (d +
+    2)`` fp32 written and read once (Q = 32: 2.7 MB for 5 chunks, against
+    12.6 MB of bf16 K and V at T = 768 and 67 MB at T = 4096; it fits the
+    H200's 60 MB L2), and one more launch. The split only changes the order of
+    fp32 sums (the same error bounds hold); the probabilities are normalised
+    with the merged (max, sum), so ``return_probs`` (d2cache) splits too. As
+    the choice depends on B, a row's output can differ in the last bits
+    between a batched and a single call. ``DLLM_ATTN_SM_COUNT`` (run time)
+    overrides the SM count the rule plans for (0: never split); the
+    simulated kernels (``torch.ops.dllm_sim``) plan for 0 SMs unless it is set.
+    Nothing of this was timed (no GPU at hand): the target of two blocks per
+    SM and the 128-key floor are the reasoning above, to be tuned on a device.
     """
     # Not routed to torch SDPA when return_probs is False. Measured on this
     # project's 2-core Sapphire Rapids CPU (AMX), LLaDA-8B layer H=32, d=128,
@@ -463,10 +501,13 @@ def quant_attention(q: torch.Tensor, k: PackedK, v: PackedV, key_valid: torch.Te
     """Softmax attention of a block of queries over the packed KV cache.
 
     Equals ``sparse_attention(q, dequantize_k(k), dequantize_v(v), key_valid,
-    scale)[0]``: the kernels dequantize each key/value tile on the fly (CUDA:
-    into shared memory; values rounded to the cache dtype exactly as the
-    dequantize ops produce them, protected tokens from ``prot_val``) and
-    accumulate scores, softmax and output in fp32.
+    scale)[0]``: the kernels dequantize the cache on the fly (values rounded
+    to the cache dtype exactly as the dequantize ops produce them, protected
+    tokens from ``prot_val``) and accumulate scores, softmax and output in
+    fp32. CUDA dequantizes each key/value tile into shared memory. The CPU
+    dequantizes one KV head at a time into cache-dtype scratch that stays in
+    cache and runs ``sparse_attention``'s own tile over it, so there the
+    equality is bit for bit.
 
     Args:
         q: ``[B, Q, H, d]`` (RoPE-rotated) in the cache dtype; ``H`` a multiple
@@ -479,6 +520,17 @@ def quant_attention(q: torch.Tensor, k: PackedK, v: PackedV, key_valid: torch.Te
 
     Returns:
         ``[B, Q, H, d]`` in q's dtype.
+
+    CUDA: the kernel has ``sparse_attention``'s tiles and splits the keys
+    (split-KV) by the same occupancy rule, so its H200 arithmetic at LLaDA-8B
+    shapes is the one tabled there: Q = 32 is 64 blocks for 132 SMs, cut into
+    5 key chunks (T = 768: 160 keys each; T = 4096: 832) for 320 blocks; Q <=
+    16 is 32 blocks, cut into 6 chunks of 128 keys at T = 768 (192 blocks)
+    and 9 of 480 at T = 4096 (288 blocks); Q = 768 is 1536 blocks and is not
+    split. Chunk boundaries need not meet K groups or packed code bytes: a
+    chunk dequantizes exactly the tokens it reads. Block 0 of each (batch row,
+    KV head) still validates every K group's ``prot_idx``, so a corrupt entry
+    is reported whichever chunk reads it.
     """
     if k.length != v.codes.shape[2]:
         raise ValueError(f"quant_attention: packed K holds {k.length} tokens but packed V "

@@ -63,3 +63,22 @@ def op(backend: str, name: str):
 def to(backend: str, *tensors):
     dev = device_of(backend)
     return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+# Split-KV of the CUDA attention kernels (sparse_attention, quant_attention):
+# the glue cuts the keys into chunks when the grid would under-fill the device,
+# by a rule fed with this SM count (csrc/aten/cuda_glue.h attention_sm_count,
+# csrc/cuda/attention_tile.cuh attention_key_splits). Unset, the simulator
+# plans for 0 SMs (never splits) and a GPU for its own; tests set it so that
+# both paths run on sim and cuda alike. FORCE_SPLIT_SMS makes every grid the
+# tests build "small", so the rule splits wherever T holds two chunks of 128
+# keys; NO_SPLIT_SMS never splits.
+SM_COUNT_ENV = "DLLM_ATTN_SM_COUNT"
+FORCE_SPLIT_SMS = 65536
+NO_SPLIT_SMS = 0
+KERNEL_BACKENDS = ["sim", "cuda"]  # the backends with a split-KV path (the CPU has none)
+
+
+def plan_for_sms(monkeypatch, sms: int) -> None:
+    """Make the attention launches that follow plan for `sms` SMs."""
+    monkeypatch.setenv(SM_COUNT_ENV, str(sms))

@@ -57,6 +57,15 @@ def test_cosine_drift_matches_reference(backend, dtype):
     _check(backend, dtype)
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_cosine_drift_cpu_narrow_isa(monkeypatch, isa):
+    """The CPU row kernel is compiled per instruction set (csrc/cpu/select_kernels.h);
+    the widest runs by default, DLLM_CPU_ISA caps it to test the others."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    for dtype in DTYPES:
+        _check("cpu", dtype)
+
+
 def test_cosine_drift_zero_rows_follow_torch():
     x = torch.zeros(3, 8)
     y = torch.randn(3, 8)

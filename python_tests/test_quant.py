@@ -17,7 +17,8 @@ import dllm_ops
 from dllm_ops import reference
 from dllm_ops.quant import (PackedK, PackedV, effective_bits, effective_bits_formula,
                             effective_bits_table)
-from backends import BACKENDS, op, require, to
+from backends import (BACKENDS, FORCE_SPLIT_SMS, KERNEL_BACKENDS, NO_SPLIT_SMS, SM_COUNT_ENV,
+                      op, plan_for_sms, require, to)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = [2, 4]
@@ -324,6 +325,19 @@ def test_quantize_v_matches_reference(backend, dtype, bits):
         assert torch.equal(deq[0, 0, 0, :G], v[0, 0, 0, :G]) or "strided" in label  # constant group
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_quant_cpu_narrow_isa(monkeypatch, isa):
+    """The CPU row loops of the family are compiled per instruction set
+    (csrc/cpu/quant_kernels.h) and each copy gives the oracle's bits: the
+    widest runs by default, DLLM_CPU_ISA caps it to put the others through the
+    same exact checks."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    for dtype in DTYPES:
+        for bits in BITS:
+            test_quantize_k_matches_reference("cpu", dtype, bits)
+            test_quantize_v_matches_reference("cpu", dtype, bits)
+
+
 # ---- quant_attention ------------------------------------------------------------------
 
 # (B, Q, H, H_kv, T, d, k_bits, v_bits, k_group, v_group, p): GQA ratios 1, 2
@@ -338,11 +352,10 @@ ATTN_CASES = [
 ]
 
 
-def attention_inputs(dtype, seed=0):
-    """(q, PackedK, PackedV, key_valid, scale, label), packed on the CPU by the
-    reference (identical to every backend's packing, tested above)."""
-    g = _gen(seed)
-    for B, Q, H, H_kv, T, d, kb, vb, kg, vg, p in ATTN_CASES:
+def _packed_cases(g, cases, dtype):
+    """(q, PackedK, PackedV, key_valid, scale, label) for each case of
+    `cases` (ATTN_CASES layout), with a random mask and without."""
+    for B, Q, H, H_kv, T, d, kb, vb, kg, vg, p in cases:
         q = _rnd(g, B, Q, H, d, dtype=dtype)
         k = _rnd(g, B, H_kv, T, d, dtype=dtype)
         v = _rnd(g, B, H_kv, T, d, dtype=dtype)
@@ -354,28 +367,40 @@ def attention_inputs(dtype, seed=0):
         label = f"{(B, Q, H, H_kv, T, d)} k{kb}/g{kg} v{vb}/g{vg} p={p}"
         yield q, pk, pv, valid, d ** -0.5, label + " random mask"
         yield q, pk, pv, None, d ** -0.5, label + " no mask"
-    # Left padding, a batch row without any valid key, non-contiguous q, scale 1.
-    B, Q, H, H_kv, T, d = 3, 4, 4, 2, 45, 64
+
+
+def _padded_case(g, dtype, T, pads):
+    """Left padding of pads[b] keys per batch row (T: a row without any valid
+    key), non-contiguous q, scale 1."""
+    B, Q, H, H_kv, d = len(pads), 4, 4, 2, 64
     q = _rnd(g, B, H, Q, d, dtype=dtype).transpose(1, 2)
     k, v = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
     pk = PackedK(*reference.quantize_k(k, 2, 32, 2, k.float().abs().amax(-1)), 2, 32, T)
     pv = PackedV(*reference.quantize_v(v, 4, 32), 4, 32)
     valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1] = False
-    valid[2, :17] = False
-    yield q, pk, pv, valid, 1.0, "left padding, empty row, strided q"
+    for b, n in enumerate(pads):
+        valid[b, :n] = False
+    return q, pk, pv, valid, 1.0, f"T={T} left padding {pads}, strided q"
+
+
+def attention_inputs(dtype, seed=0):
+    """(q, PackedK, PackedV, key_valid, scale, label), packed on the CPU by the
+    reference (identical to every backend's packing, tested above)."""
+    g = _gen(seed)
+    yield from _packed_cases(g, ATTN_CASES, dtype)
+    yield _padded_case(g, dtype, 45, [0, 45, 17])
 
 
 def _attn_args(pk, pv):
     return (*pk.tensors(), pk.bits, pk.group, *pv.tensors(), pv.bits, pv.group)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_quant_attention_equals_sparse_attention_on_dequantized_cache(backend, dtype):
+def _check_quant_attention_cases(backend, cases, dtype):
+    """quant_attention on `backend` against sparse_attention (same backend)
+    over the dequantized cache and against the float64 oracle."""
     f = op(backend, "quant_attention")
     sparse = op(backend, "sparse_attention")
-    for q, pk, pv, valid, scale, label in attention_inputs(dtype):
+    for q, pk, pv, valid, scale, label in cases:
         args = to(backend, q, *_attn_args(pk, pv))
         vd = to(backend, valid)[0]
         out = f(*args, vd, scale).cpu()
@@ -390,6 +415,111 @@ def test_quant_attention_equals_sparse_attention_on_dequantized_cache(backend, d
                                    msg=lambda m: f"{label} vs float64: {m}")
         if valid is not None and not valid.any(1).all():
             assert torch.all(out[~valid.any(1)] == 0), label
+
+
+@pytest.mark.parametrize("isa", [None, "generic", "avx2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quant_attention_cpu_is_sparse_attention_on_the_dequantized_cache(monkeypatch, isa, dtype):
+    """On the CPU both ops run the same attention tile (csrc/cpu/attention.h),
+    quant_attention over the K and V it dequantizes: it equals sparse_attention
+    over dequantize_k / dequantize_v bit for bit, in every instruction-set copy."""
+    if isa is not None:
+        monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    f, sparse = op("cpu", "quant_attention"), op("cpu", "sparse_attention")
+    for q, pk, pv, valid, scale, label in attention_inputs(dtype, seed=4):
+        out = f(q, *_attn_args(pk, pv), valid, scale)
+        kc = op("cpu", "dequantize_k")(*pk.tensors(), pk.bits, pk.group, pk.length)
+        vc = op("cpu", "dequantize_v")(*pv.tensors(), pv.bits, pv.group)
+        want = sparse(q, kc, vc, valid, scale, False)[0]
+        assert torch.equal(out, want), f"{label}: differs by {(out.float() - want.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quant_attention_equals_sparse_attention_on_dequantized_cache(backend, dtype):
+    _check_quant_attention_cases(backend, attention_inputs(dtype), dtype)
+
+
+# Split-KV (the CUDA kernel; the rule and FORCE_SPLIT_SMS: backends.py and
+# test_sparse_kv.py SPLIT_SHAPES): chunks of whole 32-key tiles (16 for
+# d > 128), >= 128 keys each, cut through K groups and packed code bytes.
+SPLIT_ATTN_CASES = [
+    (1, 3, 4, 2, 300, 64, 4, 4, 64, 32, 2),     # 160 + 140 keys; 160 is inside K group 2
+    (2, 2, 7, 1, 261, 128, 2, 4, 32, 32, 1),    # GQA 7: 160 + 101, a 5-token last group
+    (1, 2, 4, 4, 300, 256, 4, 2, 16, 128, 0),   # 16-key tiles: 160 + 140
+    (1, 1, 2, 1, 520, 16, 2, 2, 8, 16, 4),      # 4 chunks, the last 40 keys
+    (1, 2, 2, 2, 200, 64, 4, 4, 32, 32, 2),     # one chunk's worth of keys: one pass
+]
+
+
+def split_attention_inputs(dtype, seed=0):
+    g = _gen(seed)
+    yield from _packed_cases(g, SPLIT_ATTN_CASES, dtype)
+    # 160 + 130 keys: row 1's padding empties chunk 0, row 2 has no valid key.
+    yield _padded_case(g, dtype, 290, [0, 170, 290])
+
+
+@pytest.mark.parametrize("sms", [FORCE_SPLIT_SMS, NO_SPLIT_SMS], ids=["split", "one-pass"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_quant_attention_split_kv_equals_sparse_attention_on_dequantized_cache(
+        monkeypatch, backend, dtype, sms):
+    plan_for_sms(monkeypatch, sms)
+    _check_quant_attention_cases(backend, split_attention_inputs(dtype), dtype)
+
+
+def _packed_attention_args(g, B, Q, H, H_kv, T, d, p=2, G=32):
+    k, v = torch.randn(B, H_kv, T, d, generator=g), torch.randn(B, H_kv, T, d, generator=g)
+    pk = PackedK(*reference.quantize_k(k, 2, G, p, k.abs().amax(-1)[:, 0]), 2, G, T)
+    pv = PackedV(*reference.quantize_v(v, 4, min(32, d)), 4, min(32, d))
+    return torch.randn(B, Q, H, d, generator=g), pk, pv
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_quant_attention_split_kv_path_follows_the_occupancy_rule(monkeypatch, backend):
+    """As test_sparse_kv.py's twin: fp32 output bits change when, and only
+    when, the rule splits the keys (here: 4 blocks unsplit)."""
+    f = op(backend, "quant_attention")
+    g = _gen(42)
+    B, Q, H, H_kv, d = 2, 3, 4, 2, 64
+    cases = {T: _packed_attention_args(g, B, Q, H, H_kv, T, d) for T in (300, 200)}
+
+    def run(sms, T):
+        plan_for_sms(monkeypatch, sms)
+        q, pk, pv = cases[T]
+        return f(*to(backend, q, *_attn_args(pk, pv)), None, d ** -0.5).cpu()
+
+    one_pass = run(NO_SPLIT_SMS, 300)
+    assert torch.equal(run(2, 300), one_pass)  # target 4 blocks: the grid fills it
+    split = run(3, 300)                        # target 6: 2 chunks
+    assert not torch.equal(split, one_pass)
+    q, pk, pv = cases[300]
+    torch.testing.assert_close(split, reference.quant_attention(q, *_attn_args(pk, pv), None, d ** -0.5),
+                               **ATTN_TOL[torch.float32])
+    assert torch.equal(run(FORCE_SPLIT_SMS, 300), split)
+    assert torch.equal(run(FORCE_SPLIT_SMS, 200), run(NO_SPLIT_SMS, 200))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_quant_attention_split_kv_reports_corrupt_prot_idx(monkeypatch, backend):
+    """Block 0 (row tile 0, chunk 0) validates every K group of its KV head,
+    so a bad entry in the last group, which only chunk 1 reads, is reported."""
+    f = op(backend, "quant_attention")
+    q, pk, pv = _packed_attention_args(_gen(43), 1, 2, 4, 2, 300, 16)
+    idx = pk.prot_idx.clone()
+    idx[0, 1, -1, 0] = 20  # the last group holds 300 - 9 * 32 = 12 real tokens
+    plan_for_sms(monkeypatch, FORCE_SPLIT_SMS)
+    with pytest.raises(RuntimeError, match="dllm::quant_attention: .*prot_idx is corrupt"):
+        f(*to(backend, q, *_attn_args(pk._replace(prot_idx=idx), pv)), None, 0.25)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_quant_attention_rejects_a_bad_sm_count(monkeypatch, backend):
+    f = op(backend, "quant_attention")
+    q, pk, pv = _packed_attention_args(_gen(44), 1, 2, 2, 1, 40, 16)
+    monkeypatch.setenv(SM_COUNT_ENV, "-3")
+    with pytest.raises(RuntimeError, match=rf"dllm::quant_attention: {SM_COUNT_ENV} must be an integer"):
+        f(*to(backend, q, *_attn_args(pk, pv)), None, 0.25)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

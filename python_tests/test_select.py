@@ -149,9 +149,11 @@ def test_cpu_isa_is_reported_and_a_bad_cap_is_an_error(monkeypatch):
     """torch.ops.dllm_cpu.isa() reports (the copy the CPU kernels run, the
     widest this CPU has); DLLM_CPU_ISA caps the first and a value it does not
     know is a clear error of the op that reads it, not a silent fallback."""
-    import dllm_ops  # noqa: F401  (registers the ops)
+    import dllm_ops
     order = ["generic", "avx2", "avx512"]
     monkeypatch.delenv("DLLM_CPU_ISA", raising=False)
+    pk = dllm_ops.quantize_k(torch.randn(1, 1, 3, 8), 4, 8)
+    pv = dllm_ops.quantize_v(torch.randn(1, 1, 3, 8), 4, 8)
     active, best = torch.ops.dllm_cpu.isa()
     assert best in order and active == best
     for cap in order:
@@ -159,6 +161,10 @@ def test_cpu_isa_is_reported_and_a_bad_cap_is_an_error(monkeypatch):
         assert torch.ops.dllm_cpu.isa() == (order[min(order.index(cap), order.index(best))], best)
     monkeypatch.setenv("DLLM_CPU_ISA", "avx9")
     for name, args in [("token_confidence", (torch.randn(2, 5),)),
+                       ("cosine_drift", (torch.randn(2, 5), torch.randn(2, 5))),
+                       ("quantize_v", (torch.randn(1, 1, 2, 8), 4, 8)),
+                       ("quant_attention", (torch.randn(1, 1, 1, 8), *pk.tensors(), 4, 8,
+                                            *pv.tensors(), 4, 8, None, 1.0)),
                        ("sparse_attention", (torch.randn(1, 1, 1, 8), torch.randn(1, 1, 3, 8),
                                              torch.randn(1, 1, 3, 8), None, 1.0))]:
         with pytest.raises(RuntimeError, match=f"dllm::{name}: DLLM_CPU_ISA must be generic, "

@@ -10,7 +10,8 @@ from torch.library import opcheck
 import dllm_ops
 from dllm_ops import reference
 from dllm_ops.rope import rope_cos_sin
-from backends import BACKENDS, op, require, to
+from backends import (BACKENDS, FORCE_SPLIT_SMS, KERNEL_BACKENDS, NO_SPLIT_SMS, SM_COUNT_ENV,
+                      op, plan_for_sms, require, to)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Element-wise RoPE: fp32 math rounded once, so one ulp of the dtype.
@@ -193,27 +194,40 @@ def test_cache_equals_prerope_storage_rotated_at_read(backend, dtype):
 
 # ---- sparse_attention ----------------------------------------------------------
 
-def attention_inputs(dtype, seed=0):
-    """(q, k_cache, v_cache, key_valid, scale, label)."""
-    g = _gen(seed)
-    for B, Q, H, H_kv, T, d in ATTN_SHAPES:
+def _shape_cases(g, shapes, dtype):
+    """Each (B, Q, H, H_kv, T, d) of `shapes` with a random mask and without."""
+    for B, Q, H, H_kv, T, d in shapes:
         q = _rnd(g, B, Q, H, d, dtype=dtype)
         kc, vc = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
         valid = torch.rand(B, T, generator=g) > 0.3
         valid[:, -1] = True  # at least one valid key per row here
         yield q, kc, vc, valid, d ** -0.5, f"{(B, Q, H, H_kv, T, d)} random mask"
         yield q, kc, vc, None, d ** -0.5, f"{(B, Q, H, H_kv, T, d)} no mask"
-    # Left padding with a batch row that has no valid key at all (-> zeros),
-    # larger logits (scale 1), non-contiguous q and caches.
-    B, Q, H, H_kv, T, d = 3, 5, 4, 2, 45, 64
+
+
+def _padded_strided_case(g, dtype, Q, T, pads, label):
+    """Left padding of pads[b] keys per batch row (T: no valid key, -> zeros),
+    larger logits (scale 1), non-contiguous q and caches."""
+    B, H, H_kv, d = len(pads), 4, 2, 64
     q = _rnd(g, B, H, Q, d, dtype=dtype).transpose(1, 2)
     kc = _rnd(g, B, H_kv, T + 4, d, dtype=dtype)[:, :, 3: T + 3]
     vc = _rnd(g, B, T, H_kv, d, dtype=dtype).transpose(1, 2)
-    yield q, kc, vc, _left_padded(B, T, [0, T, 17]), 1.0, "left padding, empty row, strided"
-    # Peaked rows: score gaps far beyond exp's fp32 range (weights underflow to 0).
+    return q, kc, vc, _left_padded(B, T, pads), 1.0, label
+
+
+def _peaked_case(g, dtype, T):
+    """Score gaps far beyond exp's fp32 range (weights underflow to 0)."""
     q = _rnd(g, 1, 3, 2, 32, dtype=dtype)
-    kc, vc = _rnd(g, 1, 1, 50, 32, dtype=dtype), _rnd(g, 1, 1, 50, 32, dtype=dtype)
-    yield q, kc, vc, None, 30.0, "peaked softmax"
+    kc, vc = _rnd(g, 1, 1, T, 32, dtype=dtype), _rnd(g, 1, 1, T, 32, dtype=dtype)
+    return q, kc, vc, None, 30.0, f"peaked softmax, T={T}"
+
+
+def attention_inputs(dtype, seed=0):
+    """(q, k_cache, v_cache, key_valid, scale, label)."""
+    g = _gen(seed)
+    yield from _shape_cases(g, ATTN_SHAPES, dtype)
+    yield _padded_strided_case(g, dtype, 5, 45, [0, 45, 17], "left padding, empty row, strided")
+    yield _peaked_case(g, dtype, 50)
 
 
 def _check_probs_properties(probs, valid, label):
@@ -231,16 +245,14 @@ def _check_probs_properties(probs, valid, label):
     assert torch.all(probs >= 0), label
 
 
-@pytest.mark.parametrize("return_probs", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sparse_attention_matches_reference(backend, dtype, return_probs):
-    f = op(backend, "sparse_attention")
-    for q, kc, vc, valid, scale, label in attention_inputs(dtype):
+def _check_attention_cases(f, backend, cases, return_probs):
+    """sparse_attention on `backend` (callable f) against the float64 oracle
+    for each (q, k_cache, v_cache, key_valid, scale, label) of `cases`."""
+    for q, kc, vc, valid, scale, label in cases:
         out, probs = f(*to(backend, q, kc, vc, valid), scale, return_probs)
         want_out, want_probs = reference.sparse_attention(q, kc, vc, valid, scale, return_probs)
         msg = lambda m: f"{label}: {m}"  # noqa: E731
-        assert out.dtype == dtype and out.shape == q.shape, label
+        assert out.dtype == q.dtype and out.shape == q.shape, label
         out64, bound = attention_error_bound(backend, q, kc, vc, valid, scale)
         assert_within(out.cpu(), out64, bound, label)
         assert probs.dtype == torch.float32, label
@@ -250,6 +262,14 @@ def test_sparse_attention_matches_reference(backend, dtype, return_probs):
         assert probs.shape == (q.shape[0], q.shape[1], kc.shape[2]), label
         torch.testing.assert_close(probs.cpu(), want_probs, **PROBS_TOL, msg=msg)
         _check_probs_properties(probs.cpu(), valid, label)
+
+
+@pytest.mark.parametrize("return_probs", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_attention_matches_reference(backend, dtype, return_probs):
+    _check_attention_cases(op(backend, "sparse_attention"), backend, attention_inputs(dtype),
+                           return_probs)
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
@@ -313,6 +333,84 @@ def test_rope_scatter_then_attention_equals_dense_rope_attention(backend, dtype)
         # 2^-9 of it) fails this; the old 2e-2 tolerance let it pass.
         torch.testing.assert_close(probs.cpu().double(), take(p.mean(1)), **PROBS_TOL,
                                    msg=lambda m: f"{label}: {m}")
+
+
+# ---- split-KV (the CUDA kernels) -----------------------------------------------
+# With FORCE_SPLIT_SMS the occupancy rule (csrc/cuda/attention_tile.cuh) cuts
+# T into chunks of whole key tiles (32 keys for d <= 128, 16 above), at least
+# 128 keys each; chunk counts below. With NO_SPLIT_SMS the same inputs run the
+# one-pass kernel. (B, Q, H, H_kv, T, d):
+SPLIT_SHAPES = [
+    (1, 3, 4, 4, 300, 64),   # 2 chunks: 160 + 140 keys
+    (2, 2, 7, 1, 261, 128),  # GQA 7; T not a multiple of the tile: 160 + 101
+    (1, 2, 2, 2, 300, 256),  # 16-key tiles: 160 + 140
+    (1, 1, 2, 1, 520, 30),   # d not a multiple of 32; 4 chunks, the last 40 keys
+    (1, 2, 2, 2, 200, 64),   # under two chunks' worth of keys: one pass even when forced
+]
+
+
+def split_attention_inputs(dtype, seed=0):
+    """(q, k_cache, v_cache, key_valid, scale, label) at sizes where the rule
+    may split, then masks that empty whole chunks, strided views and a peaked
+    softmax (each row's mass on one key: the other chunk weighs exactly 0)."""
+    g = _gen(seed)
+    yield from _shape_cases(g, SPLIT_SHAPES, dtype)
+    # 2 chunks (160 + 130 keys): row 1's padding masks all of chunk 0 and 10
+    # keys of chunk 1 (a chunk without a valid key: m = -inf, weight 0).
+    yield _padded_strided_case(g, dtype, 3, 290, [0, 170, 290], "padding empties chunk 0, empty row")
+    yield _peaked_case(g, dtype, 300)
+
+
+@pytest.mark.parametrize("sms", [FORCE_SPLIT_SMS, NO_SPLIT_SMS], ids=["split", "one-pass"])
+@pytest.mark.parametrize("return_probs", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_sparse_attention_split_kv_matches_reference(monkeypatch, backend, dtype, return_probs, sms):
+    """Both paths meet the one-pass bounds at sizes that split (and, forced or
+    not, at one that cannot); with return_probs the probabilities kernel
+    normalises with the combine's merged (max, sum)."""
+    f = op(backend, "sparse_attention")
+    plan_for_sms(monkeypatch, sms)
+    _check_attention_cases(f, backend, split_attention_inputs(dtype), return_probs)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_sparse_attention_split_kv_path_follows_the_occupancy_rule(monkeypatch, backend):
+    """The split path runs exactly where the rule picks it. Merging chunk
+    results sums in another fp32 order than the one-pass kernel, so fp32
+    output bits change when (and only when) the keys are split."""
+    f = op(backend, "sparse_attention")
+    g = _gen(41)
+    # 2 batch rows x 2 KV heads x 1 row tile (6 rows): an unsplit grid of 4 blocks.
+    B, Q, H, H_kv, d = 2, 3, 4, 2, 64
+
+    def run(sms, T):
+        plan_for_sms(monkeypatch, sms)
+        return f(*to(backend, *cases[T]), d ** -0.5, False)[0].cpu()
+
+    cases = {T: (_rnd(g, B, Q, H, d), _rnd(g, B, H_kv, T, d), _rnd(g, B, H_kv, T, d), None)
+             for T in (300, 200)}
+    one_pass = run(NO_SPLIT_SMS, 300)
+    assert torch.equal(run(2, 300), one_pass)  # target 2 x 2 = 4 blocks: the grid fills it
+    split = run(3, 300)                        # target 6 > 4: 2 chunks (160 + 140 keys)
+    assert not torch.equal(split, one_pass)
+    _, bound = attention_error_bound(backend, *cases[300], d ** -0.5)
+    out64 = reference.attention_f64(*cases[300], d ** -0.5)[0]
+    assert_within(split, out64, bound, "2 chunks")
+    assert torch.equal(run(FORCE_SPLIT_SMS, 300), split)  # T allows no more than 2 chunks
+    # 200 keys make only one chunk of at least 128: one pass however many SMs.
+    assert torch.equal(run(FORCE_SPLIT_SMS, 200), run(NO_SPLIT_SMS, 200))
+
+
+@pytest.mark.parametrize("value", ["many", "-1", "65537", "12x"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_sparse_attention_rejects_a_bad_sm_count(monkeypatch, backend, value):
+    f = op(backend, "sparse_attention")
+    monkeypatch.setenv(SM_COUNT_ENV, value)
+    q, kc = torch.randn(1, 2, 2, 16), torch.randn(1, 1, 300, 16)
+    with pytest.raises(RuntimeError, match=rf"dllm::sparse_attention: {SM_COUNT_ENV} must be an "
+                                           rf"integer in \[0, 65536\] \(or unset\), got '{value}'"):
+        f(*to(backend, q, kc, kc, None), 0.25, False)
 
 
 # ---- gather_rows / scatter_rows ---------------------------------------------------

@@ -21,13 +21,13 @@ from .registry import Case, register, tensor_bytes
 H, D, T, G, Q = 32, 128, 512 + 256, 32, 32
 
 
-def _cache(device, dtype, seed):
+def _cache(device, dtype, seed, length=T):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, H, T, D, generator=g) * 2).to(device=device, dtype=dtype)
+    return (torch.randn(1, H, length, D, generator=g) * 2).to(device=device, dtype=dtype)
 
 
-def _importance(device):
-    return torch.rand(1, T, generator=torch.Generator().manual_seed(7)).to(device)
+def _importance(device, length=T):
+    return torch.rand(1, length, generator=torch.Generator().manual_seed(7)).to(device)
 
 
 # ---- quantize / dequantize ------------------------------------------------------------
@@ -50,7 +50,7 @@ def _quantize_k_case(bits, p):
         return tensor_bytes(k, imp) + out
 
     register(Case(op="quantize_k", shape=f"H{H}xT{T}xd{D} b{bits}p{p}", make=make, run=run,
-                  baselines={"reference": ref}, nbytes=nbytes, dtypes=(torch.bfloat16,)))
+                  baselines={"reference": ref}, nbytes=nbytes, dtypes=(torch.bfloat16, torch.float32)))
 
 
 def _dequantize_k_case(bits, p):
@@ -67,7 +67,7 @@ def _dequantize_k_case(bits, p):
 
     register(Case(op="dequantize_k", shape=f"H{H}xT{T}xd{D} b{bits}p{p}", make=make,
                   run=dllm_ops.dequantize_k, baselines={"reference": ref}, nbytes=nbytes,
-                  dtypes=(torch.bfloat16,)))
+                  dtypes=(torch.bfloat16, torch.float32)))
 
 
 def _quantize_v_case(bits):
@@ -81,7 +81,7 @@ def _quantize_v_case(bits):
     register(Case(op="quantize_v", shape=f"H{H}xT{T}xd{D} b{bits}", make=make,
                   run=lambda v: dllm_ops.quantize_v(v, bits, G),
                   baselines={"reference": lambda v: reference.quantize_v(v, bits, G)},
-                  nbytes=nbytes, dtypes=(torch.bfloat16,)))
+                  nbytes=nbytes, dtypes=(torch.bfloat16, torch.float32)))
 
 
 def _dequantize_v_case(bits):
@@ -96,7 +96,7 @@ def _dequantize_v_case(bits):
                   run=dllm_ops.dequantize_v,
                   baselines={"reference": lambda pv: reference.dequantize_v(*pv.tensors(), pv.bits,
                                                                            pv.group)},
-                  nbytes=nbytes, dtypes=(torch.bfloat16,)))
+                  nbytes=nbytes, dtypes=(torch.bfloat16, torch.float32)))
 
 
 def _k_quant_error_case(bits):
@@ -122,12 +122,12 @@ for _bits in (4, 2):
 
 # ---- quant_attention ---------------------------------------------------------------------
 
-def _attention_case(k_bits, v_bits, p):
+def _attention_case(k_bits, v_bits, p, T=T):
     def make(device, dtype):
         g = torch.Generator().manual_seed(3)
         q = torch.randn(1, Q, H, D, generator=g).to(device=device, dtype=dtype)
-        k, v = _cache(device, dtype, 0), _cache(device, dtype, 1)
-        pk = dllm_ops.quantize_k(k, k_bits, G, p, _importance(device) if p else None)
+        k, v = _cache(device, dtype, 0, T), _cache(device, dtype, 1, T)
+        pk = dllm_ops.quantize_k(k, k_bits, G, p, _importance(device, T) if p else None)
         pv = dllm_ops.quantize_v(v, v_bits, G)
         return q, pk, pv, k, v
 
@@ -160,3 +160,5 @@ def _attention_case(k_bits, v_bits, p):
 
 for _kb, _vb, _p in ((4, 4, 0), (4, 4, 2), (2, 2, 0), (2, 2, 2)):
     _attention_case(_kb, _vb, _p)
+for _kb, _vb in ((4, 4), (2, 2)):  # a long context: the bf16 cache no longer fits in cache
+    _attention_case(_kb, _vb, 0, T=4096)

@@ -66,7 +66,7 @@ for _Q in (32, 768):
         op="rope_scatter_kv", shape=f"Q{_Q}xH{H}xd{D}/T{T}", make=_rope_inputs(_Q),
         run=dllm_ops.rope_scatter_kv,
         baselines={"reference": reference.rope_scatter_kv, "torch_eager": _torch_rope_scatter},
-        nbytes=_rope_bytes, dtypes=(torch.bfloat16,),
+        nbytes=_rope_bytes, dtypes=(torch.bfloat16, torch.float32),
     ))
 
 
@@ -155,12 +155,12 @@ for _Q in (32, 256):
         run=dllm_ops.gather_rows,
         baselines={"reference": reference.gather_rows, "torch_index": _torch_gather},
         nbytes=lambda a: 2 * a[1].numel() * a[0].shape[2] * a[0].element_size() + tensor_bytes(a[1]),
-        dtypes=(torch.bfloat16,),
+        dtypes=(torch.bfloat16, torch.float32),
     ))
     register(Case(
         op="scatter_rows", shape=f"Q{_Q}/T{T}xC{C}", make=_rows_inputs(_Q, True),
         run=dllm_ops.scatter_rows,
         baselines={"reference": reference.scatter_rows, "torch_index_put": _torch_scatter},
         nbytes=lambda a: 2 * tensor_bytes(a[1]) + tensor_bytes(a[2]),
-        dtypes=(torch.bfloat16,),
+        dtypes=(torch.bfloat16, torch.float32),
     ))

@@ -10,8 +10,11 @@
 #include <torch/library.h>
 
 #include "aten/checks.h"
+#include "cuda/attention_tile.cuh"  // the split-KV rule (ATen-free)
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <vector>
 
 #if defined(CUDASIM)
@@ -142,5 +145,53 @@ class KernelStatus {
 
 // The usual record: one int of OR-ed math::<Family>Status bits.
 using StatusWord = KernelStatus<int32_t>;
+
+// ---- split-KV plan of the attention ops -------------------------------------------
+// sparse_attention and quant_attention cut the keys into chunks when their
+// grid would under-fill the device (cuda/attention_tile.cuh: the occupancy
+// rule attention_key_splits, which the glue feeds with this SM count).
+constexpr int kMaxPlannedSms = 65536;  // bounds the split grid and workspace an override can ask for
+
+// The SM count the rule plans for: DLLM_ATTN_SM_COUNT when set (run time; how
+// tests force or rule out the split path on any backend; 0 = never split),
+// else the device's multiprocessor count. The simulator has no device to
+// fill: unset, it plans for 0 SMs, so by default it runs the one-pass path.
+inline int attention_sm_count(const char* op, const at::Tensor& t) {
+  if (const char* e = std::getenv("DLLM_ATTN_SM_COUNT"); e != nullptr && *e != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(e, &end, 10);
+    DLLM_CHECK(*end == '\0' && errno == 0 && v >= 0 && v <= kMaxPlannedSms, op,
+               "DLLM_ATTN_SM_COUNT must be an integer in [0, ", kMaxPlannedSms,
+               "] (or unset), got '", e, "'");
+    return static_cast<int>(v);
+  }
+#if defined(CUDASIM)
+  (void)t;
+  return 0;
+#else
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()));
+  return n;
+#endif
+}
+
+// The key chunks of one attention call on q's device, and their fp32
+// workspace (undefined when the rule does not split).
+struct SplitKvPlan {
+  int splits = 1;
+  at::Tensor workspace;
+};
+
+inline SplitKvPlan plan_split_kv(const char* op, const at::Tensor& q, int64_t B, int64_t Q,
+                                 int64_t H, int64_t H_kv, int64_t T, int64_t d) {
+  SplitKvPlan plan;
+  plan.splits = cuda::attention_key_splits_for(B, Q, H, H_kv, T, static_cast<int>(d),
+                                               attention_sm_count(op, q));
+  if (plan.splits > 1)
+    plan.workspace = at::empty({cuda::attention_split_workspace_floats(plan.splits, B * Q * H, d)},
+                               q.options().dtype(at::kFloat));
+  return plan;
+}
 
 }  // namespace dllm

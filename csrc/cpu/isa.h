@@ -19,16 +19,18 @@
 // reports the set in use (torch.ops.dllm_cpu.isa, csrc/cpu/isa.cpp).
 //
 // Numerics. A copy compiled with FMA lets GCC contract a * b + c, which can
-// change the last bit. So only code whose tests allow for that goes into a
-// kernels header, and each copy gives the bits that code gave before:
-//   select: token_confidence's row kernels (GCC vector types; tolerance tests);
+// change the last bit. So a kernels header either allows for that in its tests
+// or keeps the roundings apart itself:
+//   select: cosine_drift's and token_confidence's row kernels (GCC vector
+//     types; tolerance tests);
 //   sparse_kv: RoPE rows and the softmax / transpose loops of sparse_attention
-//     (tolerance tests; formerly GCC target_clones of the same three targets).
-// Everything else is compiled once, for the baseline: the rollout sums and
-// cosine_drift (their multiply-adds would contract), and the quant rows,
-// which are bit-exact against their oracle and would not be with FMA (GCC
-// narrows math::dequant_value's separately rounded double product and sum
-// back to fp32 and contracts them: fp32 dequantized values change; measured).
+//     (tolerance tests);
+//   quant: the quantize / dequantize rows, bit-exact against their oracle in
+//     every copy: quantizing has nothing to contract, and dequant_row passes
+//     the product through an empty asm statement before adding the min
+//     (quant_kernels.h explains).
+// Compiled once, for the baseline: the rollout sums (their multiply-adds
+// would contract) and quant's per-group range and error loops.
 //
 // Kernels header rules: inline or template functions only (each copy is its
 // own set of definitions); types shared with the generic code are declared

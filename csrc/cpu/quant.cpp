@@ -4,18 +4,20 @@
 // The per-element math is math/quant_math.h, shared with the CUDA kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "aten/dispatch.h"
 #include "aten/quant_checks.h"
+#include "cpu/attention.h"
+#include "cpu/elem.h"
 #include "cpu/isa.h"
 #include "math/quant_math.h"
-#include "math/sparse_kv_math.h"
 
 namespace dllm {
 namespace {
@@ -39,43 +41,9 @@ inline float dequant_as(uint32_t code, float scale, float mn) {
   return widen(narrow<T>(m::dequant_value(code, scale, mn)));
 }
 
-// ---- row loops ----------------------------------------------------------------
-// Compiled once, for the baseline instruction set, unlike the other families'
-// loops (cpu/isa.h): with FMA, GCC narrows the product and sum that
-// math::dequant_value rounds one by one back to fp32 operations and
-// contracts them, which changes fp32 dequantized values in the last bit; the
-// quant family is bit-exact against its oracle. DLLM_CPU_NOINLINE keeps each
-// loop a function of its own: inlined into its caller, GCC loses the restrict
-// guarantees and runs the scalar fallback.
-
-// Codes of one token row OR-ed into its byte row at bit `shift`, under the
-// per-channel stored scale / min sf[c], mf[c].
-template <typename T>
-DLLM_CPU_NOINLINE void or_codes_row(const T* __restrict__ row, const float* __restrict__ sf,
-                                    const float* __restrict__ mf, uint8_t* __restrict__ orow,
-                                    int64_t d, int bits, int shift) {
-  for (int64_t c = 0; c < d; ++c)
-    orow[c] |= static_cast<uint8_t>(m::quant_code(widen(row[c]), sf[c], mf[c], bits) << shift);
-}
-
-// Codes (one per byte) of one row under per-element stored scale / min.
-template <typename T>
-DLLM_CPU_NOINLINE void codes_row(const T* __restrict__ x, const float* __restrict__ sf,
-                                 const float* __restrict__ mf, uint8_t* __restrict__ out, int64_t d,
-                                 int bits) {
-  for (int64_t c = 0; c < d; ++c)
-    out[c] = static_cast<uint8_t>(m::quant_code(widen(x[c]), sf[c], mf[c], bits));
-}
-
-// One row of dequantized values: code j of byte c (at bit `shift`) under the
-// per-element stored scale / min sf[c], mf[c], rounded to T, stored as O.
-template <typename T, typename O>
-DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
-                                   const float* __restrict__ mf, O* __restrict__ o, int64_t d,
-                                   int shift, uint32_t mask) {
-  for (int64_t c = 0; c < d; ++c)
-    o[c] = static_cast<O>(narrow<T>(m::dequant_value((crow[c] >> shift) & mask, sf[c], mf[c])));
-}
+// ---- row loops: quant_kernels.h, one copy per instruction set (cpu/isa.h) ----
+#define DLLM_ISA_KERNELS "cpu/quant_kernels.h"
+#include "cpu/isa.h"
 
 // ============================================================================
 // K: per channel over token groups, top-p protected tokens per group
@@ -141,7 +109,7 @@ void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t*
 }
 
 template <typename T>
-void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, bool imp_per_head,
+void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const float* imp, bool imp_per_head,
                        uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx, T* prot_val,
                        cpu::FaultBits& status) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
@@ -169,7 +137,8 @@ void quantize_k_kernel(const QuantKShape& s, const T* k, const float* imp, bool 
       std::fill_n(out, rows_per_group * d, uint8_t{0});
       for (int j = 0; j < n_real; ++j) {
         if (slot_of[j] != m::kProtUnused) continue;
-        or_codes_row(x + j * d, sf, mf, out + (j / n) * d, d, bits, bits * (j % n));
+        DLLM_ISA_CALL(isa, or_codes_row(x + j * d, sf, mf, out + (j / n) * d, d, bits,
+                                        bits * (j % n)));
       }
       for (int sl = 0; sl < p; ++sl) {
         prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
@@ -189,6 +158,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const at::Tensor& k, int64_t bits, int64_t group, int64_t protect_p,
     const std::optional<at::Tensor>& importance) {
   constexpr const char* op = "quantize_k";
+  const cpu::Isa isa = cpu::active_isa(op);
   const QuantKShape s = check_quantize_k(k, bits, group, protect_p, importance);
   const auto kc = k.contiguous();
   const QuantKOutputs o = prepare_quantize_k(s, k, importance);
@@ -196,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   if (s.B * s.H * s.n_groups > 0) {
     DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::quantize_k", [&] {
       quantize_k_kernel<scalar_t>(
-          s, kc.const_data_ptr<scalar_t>(),
+          isa, s, kc.const_data_ptr<scalar_t>(),
           o.importance.defined() ? o.importance.const_data_ptr<float>() : nullptr,
           o.importance_per_head, o.codes.mutable_data_ptr<uint8_t>(),
           o.scale.mutable_data_ptr<scalar_t>(), o.mn.mutable_data_ptr<scalar_t>(),
@@ -210,10 +180,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 // Dequantized K rows of one group into out (row stride d), protected tokens
 // from prot_val. Returns false (writing nothing) when the group's prot_idx
 // entries are invalid.
-template <typename T, typename O>
-bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t* codes,
-                     const T* scale, const T* mn, const uint8_t* prot_idx, const T* prot_val,
-                     O* out) {
+template <typename T>
+bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
+                     const uint8_t* codes, const T* scale, const T* mn, const uint8_t* prot_idx,
+                     const T* prot_val, T* out) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
   const uint32_t mask = static_cast<uint32_t>(m::quant_levels(bits));
@@ -225,14 +195,14 @@ bool dequant_k_group(const QuantKShape& s, int64_t bh, int64_t g, const uint8_t*
   for (int64_t c = 0; c < d; ++c) sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
   const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
   for (int j = 0; j < n_real; ++j) {
-    O* o = out + j * d;
+    T* o = out + j * d;
     const int slot = m::prot_slot_of(pidx, p, j);
     if (slot >= 0) {
       const T* pv = prot_val + (u * p + slot) * d;
-      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<O>(pv[c]);
+      std::copy_n(pv, d, o);
       continue;
     }
-    dequant_row<T, O>(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask);
+    DLLM_ISA_CALL(isa, dequant_row(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask));
   }
   return true;
 }
@@ -241,6 +211,7 @@ at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, co
                             const at::Tensor& prot_idx, const at::Tensor& prot_val, int64_t bits,
                             int64_t group, int64_t length) {
   constexpr const char* op = "dequantize_k";
+  const cpu::Isa isa = cpu::active_isa(op);
   const QuantKShape s = check_packed_k(op, codes, scale, mn, prot_idx, prot_val, bits, group, length);
   const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
   const auto ic = prot_idx.contiguous(), vc = prot_val.contiguous();
@@ -255,7 +226,7 @@ at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, co
       int st = 0;
       for (int64_t u = begin; u < end; ++u) {
         const int64_t g = u % s.n_groups, bh = u / s.n_groups;
-        if (!dequant_k_group(s, bh, g, cc.const_data_ptr<uint8_t>(), sp, mp,
+        if (!dequant_k_group(isa, s, bh, g, cc.const_data_ptr<uint8_t>(), sp, mp,
                              ic.const_data_ptr<uint8_t>(), vp, op_ + (bh * s.T + g * s.G) * s.d))
           st |= m::kQuantBadProtIdx;
       }
@@ -312,46 +283,10 @@ at::Tensor k_quant_error_cpu(const at::Tensor& k, int64_t bits, int64_t group) {
 // V: per token over channel groups
 // ============================================================================
 
-template <typename T>
-void quantize_v_row(const QuantVShape& s, const T* x, uint8_t* codes, T* scale, T* mn, int& st) {
-  const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
-  const int n = m::codes_per_byte(bits);
-  const int64_t d = s.d;
-  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];  // per channel
-  uint8_t code[m::kQuantMaxHeadDim];
-  for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-    const T* xg = x + grp * G;
-    // Eight running lanes (G is a multiple of 8), so the loop vectorizes.
-    float lo[8], hi[8];
-    int bad = 0;
-    for (int l = 0; l < 8; ++l) lo[l] = INFINITY, hi[l] = -INFINITY;
-    for (int c0 = 0; c0 < G; c0 += 8)
-      for (int l = 0; l < 8; ++l) {
-        const float v = widen(xg[c0 + l]);
-        bad |= !m::is_finite(v);
-        lo[l] = v < lo[l] ? v : lo[l];
-        hi[l] = v > hi[l] ? v : hi[l];
-      }
-    if (bad) st |= m::kQuantNonFinite;
-    m::QuantRange r = m::range_empty();
-    for (int l = 0; l < 8; ++l) r = m::range_merge(r, m::QuantRange{lo[l], hi[l]});
-    const T sT = narrow<T>(m::range_scale(r, bits)), mT = narrow<T>(m::range_min(r));
-    scale[grp] = sT, mn[grp] = mT;
-    if (!m::is_finite(widen(sT))) st |= m::kQuantRangeOverflow;
-    std::fill_n(sf + grp * G, G, widen(sT));
-    std::fill_n(mf + grp * G, G, widen(mT));
-  }
-  codes_row(x, sf, mf, code, d, bits);
-  for (int64_t rb = 0; rb < d / n; ++rb) {
-    uint32_t byte = 0;
-    for (int jj = 0; jj < n; ++jj) byte |= m::pack_code(code[rb * n + jj], jj, bits);
-    codes[rb] = static_cast<uint8_t>(byte);
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& v, int64_t bits,
                                                               int64_t group) {
   constexpr const char* op = "quantize_v";
+  const cpu::Isa isa = cpu::active_isa(op);
   const QuantVShape s = check_quantize_v(v, bits, group);
   const auto vc = v.contiguous();
   const QuantVOutputs o = prepare_quantize_v(s, v);
@@ -363,8 +298,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
     at::parallel_for(0, s.B * s.H * s.T, cpu::kGrainQuantRows, [&](int64_t begin, int64_t end) {
       int st = 0;
       for (int64_t row = begin; row < end; ++row)
-        quantize_v_row(s, x + row * s.d, cp + row * s.row_bytes, sp + row * s.n_groups,
-                       mp + row * s.n_groups, st);
+        DLLM_ISA_CALL(isa, quantize_v_row(s, x + row * s.d, cp + row * s.row_bytes,
+                                          sp + row * s.n_groups, mp + row * s.n_groups, st));
       status.add(st);
     });
   });
@@ -372,28 +307,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
   return {o.codes, o.scale, o.mn};
 }
 
-// One dequantized V row (d values) into out: codes unpacked to one per
-// byte, then the vectorized dequant_row with per-channel scale / min.
-template <typename T, typename O>
-void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn, O* out) {
-  const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
-  const int n = m::codes_per_byte(bits);
-  const int64_t d = s.d;
-  float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
-  uint8_t code[m::kQuantMaxHeadDim];
-  for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-    std::fill_n(sf + grp * G, G, widen(scale[grp]));
-    std::fill_n(mf + grp * G, G, widen(mn[grp]));
-  }
-  for (int64_t rb = 0; rb < d / n; ++rb)
-    for (int jj = 0; jj < n; ++jj)
-      code[rb * n + jj] = static_cast<uint8_t>(m::unpack_code(codes[rb], jj, bits));
-  dequant_row<T, O>(code, sf, mf, out, d, 0, 0xffu);
-}
-
 at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& mn,
                             int64_t bits, int64_t group) {
   constexpr const char* op = "dequantize_v";
+  const cpu::Isa isa = cpu::active_isa(op);
   const QuantVShape s = check_packed_v(op, codes, scale, mn, bits, group);
   const auto cc = codes.contiguous(), sc = scale.contiguous(), mc = mn.contiguous();
   auto out = at::empty({s.B, s.H, s.T, s.d}, scale.options());
@@ -403,8 +320,8 @@ at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, co
     scalar_t* op_ = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, s.B * s.H * s.T, cpu::kGrainQuantRows, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
-        dequant_v_row(s, cp + row * s.row_bytes, sp + row * s.n_groups, mp + row * s.n_groups,
-                      op_ + row * s.d);
+        DLLM_ISA_CALL(isa, dequant_v_row(s, cp + row * s.row_bytes, sp + row * s.n_groups,
+                                         mp + row * s.n_groups, op_ + row * s.d));
     });
   });
   return out;
@@ -414,18 +331,13 @@ at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, co
 // quant_attention
 // ============================================================================
 //
-// Work unit: one batch row b and one KV head. Its K and V are dequantized once
-// into fp32 scratch ([T, d] each, the values of the dequantized cache), then
-// each tile of Qt queries (M = Qt * G rows, G = H / H_kv heads per KV head)
-// runs S^T = K . Q^T, an exact fp32 softmax per column (math::softmax_*
-// helpers of sparse_kv), and O = P . V, both products through ATen's fp32
-// brgemm entry point.
-
-struct QAttnScratch {
-  std::vector<float> k, v, qt, st, p, o, mx, sum;
-  QAttnScratch(int64_t T, int64_t d, int64_t M)
-      : k(T * d), v(T * d), qt(d * M), st(T * M), p(M * T), o(M * d), mx(M), sum(M) {}
-};
+// Work unit: one batch row b and one KV head. Its K and V are dequantized
+// once into scratch of the cache dtype ([T, d] each: exactly the values
+// dequantize_k / dequantize_v return), then each query tile runs the
+// attention tile of sparse_attention over them (cpu/attention.h). So on the
+// CPU quant_attention equals sparse_attention on the dequantized cache, bit
+// for bit; what it saves is reading the full-width cache from memory (the
+// scratch of one unit stays in cache).
 
 template <typename T>
 void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* kcodes,
@@ -433,65 +345,35 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
                             const uint8_t* vcodes, const T* vscale, const T* vmin,
                             const bool* key_valid, const int64_t* n_valid, float scale, T* out,
                             cpu::FaultBits& status) {
-  const int64_t G = s.H / s.H_kv, d = s.d, Tn = s.T;
-  int64_t Qt = std::max<int64_t>(1, 64 / G);
-  Qt = std::min(Qt, std::max<int64_t>(1, (int64_t{1} << 20) / (G * Tn)));
-  Qt = std::min(Qt, s.Q);
-  const int64_t M = Qt * G;
+  const cpu::Isa isa = cpu::active_isa("quant_attention");
+  const cpu::AttnShape a{s.B, s.Q, s.H, s.H_kv, s.H / s.H_kv, s.T, s.d};
+  const int64_t Qt = cpu::query_tile(a), Tn = s.T, d = s.d;
   at::parallel_for(0, s.B * s.H_kv, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
-    QAttnScratch w(Tn, d, M);
+    std::vector<T> k(Tn * d), v(Tn * d);
+    cpu::AttnScratch<T> w(Qt * a.G, Tn, d, /*with_probs=*/false);
     int st = 0;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H_kv, kvh = bh % s.H_kv;
       for (int64_t g = 0; g < s.k.n_groups; ++g)
-        if (!dequant_k_group(s.k, bh, g, kcodes, kscale, kmin, kidx, kval,
-                             w.k.data() + g * s.k.G * d))
+        if (!dequant_k_group(isa, s.k, bh, g, kcodes, kscale, kmin, kidx, kval,
+                             k.data() + g * s.k.G * d))
           st |= m::kQuantBadProtIdx;
       for (int64_t t = 0; t < Tn; ++t) {
         const int64_t row = bh * Tn + t;
-        dequant_v_row(s.v, vcodes + row * s.v.row_bytes, vscale + row * s.v.n_groups,
-                      vmin + row * s.v.n_groups, w.v.data() + t * d);
+        DLLM_ISA_CALL(isa, dequant_v_row(s.v, vcodes + row * s.v.row_bytes,
+                                         vscale + row * s.v.n_groups, vmin + row * s.v.n_groups,
+                                         v.data() + t * d));
       }
       const bool* valid = key_valid ? key_valid + b * Tn : nullptr;
       for (int64_t q0 = 0; q0 < s.Q; q0 += Qt) {
-        const int64_t qn = std::min(Qt, s.Q - q0), Mr = qn * G;
-        auto out_row = [&](int64_t r) { return out + ((b * s.Q + q0 + r / G) * s.H + kvh * G + r % G) * d; };
+        const int64_t qn = std::min(Qt, s.Q - q0);
         if (n_valid[b] == 0) {  // no valid key: zeros, as sparse_attention
-          for (int64_t r = 0; r < Mr; ++r) std::fill_n(out_row(r), d, T(0));
+          for (int64_t qi = 0; qi < qn; ++qi)
+            std::fill_n(out + ((b * s.Q + q0 + qi) * s.H + kvh * a.G) * d, a.G * d, T(0));
           continue;
         }
-        for (int64_t r = 0; r < Mr; ++r) {
-          const T* src = q + ((b * s.Q + q0 + r / G) * s.H + kvh * G + r % G) * d;
-          for (int64_t i = 0; i < d; ++i) w.qt[i * Mr + r] = widen(src[i]);
-        }
-        at::native::cpublas::brgemm(Tn, Mr, d, d, Mr, Mr, false, w.k.data(), w.qt.data(),
-                                    w.st.data(), false);
-        for (int64_t r = 0; r < Mr; ++r) w.mx[r] = -INFINITY, w.sum[r] = 0.f;
-        for (int64_t t = 0; t < Tn; ++t) {
-          if (valid && !valid[t]) continue;
-          float* srow = w.st.data() + t * Mr;
-          for (int64_t r = 0; r < Mr; ++r) w.mx[r] = std::max(w.mx[r], srow[r] * scale);
-        }
-        for (int64_t t = 0; t < Tn; ++t) {
-          float* srow = w.st.data() + t * Mr;
-          const bool ok = !valid || valid[t];
-          for (int64_t r = 0; r < Mr; ++r) {
-            const float e = ok ? m::softmax_weight(srow[r] * scale, w.mx[r]) : 0.f;
-            srow[r] = e;
-            w.sum[r] += e;
-          }
-        }
-        for (int64_t r = 0; r < Mr; ++r) {
-          const float inv = m::softmax_inv_sum(w.sum[r]);
-          float* prow = w.p.data() + r * Tn;
-          for (int64_t t = 0; t < Tn; ++t) prow[t] = w.st[t * Mr + r] * inv;
-        }
-        at::native::cpublas::brgemm(Mr, d, Tn, Tn, d, d, false, w.p.data(), w.v.data(),
-                                    w.o.data(), false);
-        for (int64_t r = 0; r < Mr; ++r) {
-          T* dst = out_row(r);
-          for (int64_t i = 0; i < d; ++i) dst[i] = narrow<T>(w.o[r * d + i]);
-        }
+        cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k.data(), v.data(), valid, scale, out, w,
+                         nullptr, false);
       }
     }
     status.add(st);

@@ -21,54 +21,11 @@ namespace {
 
 namespace m = dllm::math;
 
-// One row of cosine drift. Eight independent accumulators break the
-// floating-point dependency chain so the compiler can vectorize the loop
-// (and the bf16/fp16 -> fp32 conversion) without -ffast-math.
-template <typename T>
-float cosine_drift_row(const T* __restrict__ x, const T* __restrict__ y, int64_t D) {
-  constexpr int kLanes = 8;
-  float dot[kLanes] = {}, nx[kLanes] = {}, ny[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float a = static_cast<float>(x[i + l]);
-      const float b = static_cast<float>(y[i + l]);
-      dot[l] += a * b;
-      nx[l] += a * a;
-      ny[l] += b * b;
-    }
-  }
-  m::CosineAcc acc = m::cosine_acc_zero();
-  for (int l = 0; l < kLanes; ++l) acc = m::cosine_acc_merge(acc, {dot[l], nx[l], ny[l]});
-  for (; i < D; ++i) m::cosine_acc_add(acc, static_cast<float>(x[i]), static_cast<float>(y[i]));
-  return m::cosine_drift_finish(acc);
-}
-
-at::Tensor cosine_drift_cpu(const at::Tensor& x, const at::Tensor& x_prev) {
-  check_cosine_drift(x, x_prev);
-  const auto xc = x.contiguous();
-  const auto yc = x_prev.contiguous();
-  const int64_t D = x.size(-1);
-  const int64_t rows = x.numel() / D;
-  auto out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  float* out_p = out.data_ptr<float>();
-  DLLM_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dllm::cosine_drift", [&] {
-    const scalar_t* x_p = xc.const_data_ptr<scalar_t>();
-    const scalar_t* x_prev_p = yc.const_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, cpu::grain_items(cpu::kGrainStreamElems, D),
-                     [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        out_p[r] = cosine_drift_row(x_p + r * D, x_prev_p + r * D, D);
-    });
-  });
-  return out;
-}
-
 // ============================================================================
-// token_confidence
+// Row kernels of cosine_drift and token_confidence: select_kernels.h, compiled
+// once per instruction set (cpu/isa.h) and chosen per call. Types they share
+// with the code below come first.
 // ============================================================================
-// The row kernels live in select_kernels.h, compiled once per instruction set
-// (cpu/isa.h) and chosen per call.
 
 // Ids to suppress, sorted and unique, all in [0, V).
 struct SuppressList {
@@ -82,6 +39,34 @@ struct ConfRow {
 
 #define DLLM_ISA_KERNELS "cpu/select_kernels.h"
 #include "cpu/isa.h"
+
+// ============================================================================
+// cosine_drift
+// ============================================================================
+
+at::Tensor cosine_drift_cpu(const at::Tensor& x, const at::Tensor& x_prev) {
+  check_cosine_drift(x, x_prev);
+  const cpu::Isa isa = cpu::active_isa("cosine_drift");
+  const auto xc = x.contiguous();
+  const auto yc = x_prev.contiguous();
+  const int64_t D = x.size(-1);
+  const int64_t rows = x.numel() / D;
+  auto out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  float* out_p = out.data_ptr<float>();
+  DLLM_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dllm::cosine_drift", [&] {
+    const scalar_t* x_p = xc.const_data_ptr<scalar_t>();
+    const scalar_t* x_prev_p = yc.const_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, cpu::grain_items(cpu::kGrainStreamElems, D),
+                     [&](int64_t begin, int64_t end) {
+      DLLM_ISA_CALL(isa, cosine_drift_rows(x_p, x_prev_p, out_p, begin, end, D));
+    });
+  });
+  return out;
+}
+
+// ============================================================================
+// token_confidence
+// ============================================================================
 
 std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits,
                                                         c10::string_view mode, double temperature,

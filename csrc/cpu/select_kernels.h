@@ -286,3 +286,51 @@ void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const fl
     }
   });
 }
+
+// ============================================================================
+// cosine_drift
+// ============================================================================
+// kVec elements widened to fp32 lanes in registers (the conversions are exact,
+// so every copy reads the same values): bf16 is the top half of an fp32, fp16
+// converts with F16C's vcvtph2ps in the AVX2 / AVX-512 copies.
+typedef uint16_t vu16 __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));
+typedef _Float16 vf16 __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));
+
+inline vf vload_widen(const float* p) { return vload(p); }
+inline vf vload_widen(const at::BFloat16* p) {
+  vu16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return (vf)(__builtin_convertvector(raw, vi) << 16);
+}
+inline vf vload_widen(const at::Half* p) {
+  vf16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vf);
+}
+
+// 1 - cos(x, y) of one row. Two vectors per step give each of the three sums
+// two independent chains; the lanes are folded once at the end (the order of
+// the additions differs between copies: the tests allow for it).
+template <typename T>
+float cosine_drift_row(const T* __restrict__ x, const T* __restrict__ y, int64_t D) {
+  vf dot0{}, dot1{}, nx0{}, nx1{}, ny0{}, ny1{};
+  int64_t i = 0;
+  for (; i + 2 * kVec <= D; i += 2 * kVec) {
+    const vf a0 = vload_widen(x + i), b0 = vload_widen(y + i);
+    const vf a1 = vload_widen(x + i + kVec), b1 = vload_widen(y + i + kVec);
+    dot0 += a0 * b0;
+    dot1 += a1 * b1;
+    nx0 += a0 * a0;
+    nx1 += a1 * a1;
+    ny0 += b0 * b0;
+    ny1 += b1 * b1;
+  }
+  math::CosineAcc acc{hsum(dot0 + dot1), hsum(nx0 + nx1), hsum(ny0 + ny1)};
+  for (; i < D; ++i) math::cosine_acc_add(acc, static_cast<float>(x[i]), static_cast<float>(y[i]));
+  return math::cosine_drift_finish(acc);
+}
+
+template <typename T>
+void cosine_drift_rows(const T* x, const T* y, float* out, int64_t begin, int64_t end, int64_t D) {
+  for (int64_t r = begin; r < end; ++r) out[r] = cosine_drift_row(x + r * D, y + r * D, D);
+}

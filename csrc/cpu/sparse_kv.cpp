@@ -12,6 +12,8 @@
 
 #include "aten/dispatch.h"
 #include "aten/sparse_kv_checks.h"
+#include "cpu/attention.h"
+#include "cpu/elem.h"
 #include "cpu/isa.h"
 #include "math/sparse_kv_math.h"
 
@@ -134,6 +136,11 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // P is rounded to the input dtype for step 3 (fp32 stays fp32), as torch's
 // own CPU attention does; sums and the output accumulate in fp32.
 
+}  // namespace
+
+// The attention tile of cpu/attention.h, shared with quant_attention.
+namespace cpu {
+
 // C [m, n] = A [m, k] . B [k, n], row-major, fp32 C. ATen's exported
 // cpublas::brgemm without VNNI packing hands this to ATen's BLAS gemm (MKL's
 // bf16/fp16 -> fp32 and sgemm kernels in the stock wheels, AMX or AVX-512
@@ -145,25 +152,9 @@ void gemm_f32acc(int64_t mm, int64_t nn, int64_t kk, const T_* a, int64_t lda, c
                               /*is_vnni=*/false);
 }
 
-struct AttnShape {
-  int64_t B, Q, H, H_kv, G, T, d;
-};
-
-// Per-thread scratch of one work unit (sized for the largest tile).
 template <typename T_>
-struct AttnScratch {
-  std::vector<T_> q_rows, qt, p;  // q_rows: the tile's query rows, [M, d]
-  std::vector<float> st, pf, o, mx, sum, inv;  // pf: fp32 P, only with probabilities
-  AttnScratch(int64_t M, int64_t T, int64_t d, bool with_probs)
-      : q_rows(M * d), qt(d * M), p(M * T), st(T * M), pf(with_probs ? M * T : 0), o(M * d),
-        mx(M), sum(M), inv(M) {}
-};
-
-// One (b, kv head, query tile) unit: writes out rows, and (optionally) adds
-// the tile's head-summed probabilities into probs_acc (row stride T).
-template <typename T_>
-void attend_tile(cpu::Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
-                 const T_* q, const T_* kc, const T_* vc, const bool* valid, float scale, T_* out,
+void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+                 const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
                  AttnScratch<T_>& w, float* probs_acc, bool first_head) {
   const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
   // Q_tile^T [d, M]: column r = qi * G + g is query q0 + qi of head kvh * G + g.
@@ -174,8 +165,6 @@ void attend_tile(cpu::Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64
   using E = std::conditional_t<sizeof(T_) == 2, uint16_t, float>;
   DLLM_ISA_CALL(isa, transpose_blocked<E>(reinterpret_cast<const E*>(w.q_rows.data()), M, d,
                                           reinterpret_cast<E*>(w.qt.data())));
-  const T_* K = kc + (b * s.H_kv + kvh) * T * d;
-  const T_* V = vc + (b * s.H_kv + kvh) * T * d;
   gemm_f32acc<T_>(T, M, d, K, d, w.qt.data(), M, w.st.data(), M);
   DLLM_ISA_CALL(isa, column_max(w.st.data(), valid, T, M, scale, w.mx.data()));
   DLLM_ISA_CALL(isa, column_exp_sum(w.st.data(), valid, T, M, scale, w.mx.data(), w.sum.data()));
@@ -200,19 +189,36 @@ void attend_tile(cpu::Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64
   }
 }
 
-// Queries per tile: enough rows (M = Qt * G ~ 64) for the gemms to run at
-// speed, few enough that the fp32 score block stays within ~4 MB of cache.
 int64_t query_tile(const AttnShape& s) {
   int64_t qt = std::max<int64_t>(1, 64 / s.G);
   qt = std::min(qt, std::max<int64_t>(1, (int64_t{1} << 20) / (s.G * s.T)));
   return std::min(qt, s.Q);
 }
 
+template void attend_tile<float>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,
+                                 const float*, const float*, const float*, const bool*, float,
+                                 float*, AttnScratch<float>&, float*, bool);
+template void attend_tile<c10::Half>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,
+                                     const c10::Half*, const c10::Half*, const c10::Half*,
+                                     const bool*, float, c10::Half*, AttnScratch<c10::Half>&,
+                                     float*, bool);
+template void attend_tile<c10::BFloat16>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,
+                                         const c10::BFloat16*, const c10::BFloat16*,
+                                         const c10::BFloat16*, const bool*, float, c10::BFloat16*,
+                                         AttnScratch<c10::BFloat16>&, float*, bool);
+
+}  // namespace cpu
+
+namespace {
+
+using cpu::AttnScratch;
+using cpu::AttnShape;
+
 template <typename T_>
 void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, const T_* kc,
                              const T_* vc, const bool* key_valid, const int64_t* n_valid,
                              float scale, T_* out, float* probs) {
-  const int64_t Qt = query_tile(s);
+  const int64_t Qt = cpu::query_tile(s);
   const int64_t n_tiles = (s.Q + Qt - 1) / Qt;
   const int64_t M = Qt * s.G;
   const float inv_h = 1.f / static_cast<float>(s.H);
@@ -236,7 +242,8 @@ void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, cons
           continue;
         }
         const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
-        attend_tile(isa, s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, nullptr, false);
+        cpu::attend_tile(isa, s, b, kvh, q0, Qt_, q, kc + (b * s.H_kv + kvh) * s.T * s.d,
+                         vc + (b * s.H_kv + kvh) * s.T * s.d, valid, scale, out, w, nullptr, false);
       }
     });
     return;
@@ -275,7 +282,9 @@ void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, cons
       }
       const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
       for (int64_t kvh = h0; kvh < h1; ++kvh)
-        attend_tile(isa, s, b, kvh, q0, Qt_, q, kc, vc, valid, scale, out, w, acc, kvh == h0);
+        cpu::attend_tile(isa, s, b, kvh, q0, Qt_, q, kc + (b * s.H_kv + kvh) * s.T * s.d,
+                         vc + (b * s.H_kv + kvh) * s.T * s.d, valid, scale, out, w, acc,
+                         kvh == h0);
       if (n_groups == 1) DLLM_ISA_CALL(isa, scale_rows(acc, Qt_ * s.T, inv_h));
     }
   });

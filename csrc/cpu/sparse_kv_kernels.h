@@ -7,52 +7,7 @@
 // DLLM_CPU_NOINLINE: one call per row or tile, and a loop inlined into its
 // (generic) caller loses its restrict guarantees and stays scalar.
 
-// ---- element conversions, in plain integer ops so loops over them vectorize ----
-
-// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  const uint16_t rounded = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-  return (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40u) : rounded;
-}
-
-static inline __attribute__((always_inline)) float bf16_bits_to_float(uint16_t h) {
-  const uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-// How the loops read and write an element of a cache dtype: fp32 as is, bf16
-// through its integer bits (so the loops vectorize), fp16 through c10's
-// conversions (a rare cache dtype). Rounding is to nearest even throughout.
-template <typename T>
-struct Elem;
-template <>
-struct Elem<float> {
-  using Bits = float;
-  static inline __attribute__((always_inline)) float load(float x) { return x; }
-  static inline __attribute__((always_inline)) float store(float x) { return x; }
-};
-template <>
-struct Elem<at::BFloat16> {
-  using Bits = uint16_t;
-  static inline __attribute__((always_inline)) float load(uint16_t h) {
-    return bf16_bits_to_float(h);
-  }
-  static inline __attribute__((always_inline)) uint16_t store(float x) { return bf16_bits_rne(x); }
-};
-template <>
-struct Elem<at::Half> {
-  using Bits = at::Half;
-  static inline __attribute__((always_inline)) float load(at::Half x) {
-    return static_cast<float>(x);
-  }
-  static inline __attribute__((always_inline)) at::Half store(float x) {
-    return static_cast<at::Half>(x);
-  }
-};
+// Element loads and stores: cpu/elem.h (Elem<T>), included before this header.
 
 // ============================================================================
 // rope_scatter_kv
@@ -64,7 +19,7 @@ struct Elem<at::Half> {
 template <typename T>
 DLLM_CPU_NOINLINE void rotate_row_contig(const T* src_, T* dst_, const float* __restrict__ cos_a,
                                          const float* __restrict__ sin_a, int64_t half) {
-  using E = Elem<T>;
+  using E = cpu::Elem<T>;
   const auto* src = reinterpret_cast<const typename E::Bits*>(src_);
   auto* dst = reinterpret_cast<typename E::Bits*>(dst_);
   float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
@@ -159,7 +114,7 @@ DLLM_CPU_NOINLINE void transpose_blocks(const In* __restrict__ src, int64_t rows
 // Pass 3: P [M, T] = (S^T * inv_sum)^T in the gemm dtype P.
 template <typename P>
 inline void normalize_transpose(const float* st, const float* inv, int64_t T, int64_t M, P* p) {
-  using E = Elem<P>;
+  using E = cpu::Elem<P>;
   transpose_blocks(st, T, M, reinterpret_cast<typename E::Bits*>(p), [inv](int64_t r) {
     const float inv_r = inv[r];
     return [inv_r](float x) { return E::store(x * inv_r); };
@@ -178,7 +133,7 @@ DLLM_CPU_NOINLINE void store_floats(const float* __restrict__ src, int64_t n, O*
   if constexpr (std::is_same_v<O, float>) {
     std::memcpy(dst_, src, n * sizeof(float));
   } else {
-    using E = Elem<O>;
+    using E = cpu::Elem<O>;
     auto* __restrict__ dst = reinterpret_cast<typename E::Bits*>(dst_);
     for (int64_t i = 0; i < n; ++i) dst[i] = E::store(src[i]);
   }

@@ -10,11 +10,17 @@
 //   the warp updates each row's online-softmax state (max m, sum l) and
 //   rescales its fp32 output accumulator, then adds p_t * V[t] for the tile
 //   (lane l owns output dims l, l + 32, ...).
+//
+// Split-KV (flash-decoding): at decode shapes that grid has too few blocks to
+// fill the device, so the keys are cut into chunks as well (KeyChunks, the
+// occupancy rule attention_key_splits below); each block folds one chunk and
+// parks its partial state, and attention_combine_kernel merges the chunks.
 #pragma once
 
 #include "cuda/device_utils.cuh"  // first: it brings the CUDA (or simulated) qualifiers
 #include "math/sparse_kv_math.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -45,11 +51,115 @@ inline void with_head_dim_chunks(int d, F&& f) {
     f(std::integral_constant<int, 8>{});
 }
 
-// Grid of an attention launch: (row tiles, KV heads, batch rows).
+// Blocks per (batch row, KV head) that cover its Q * G query rows.
 template <int DCH>
-inline dim3 attn_grid(int B, int Q, int H, int H_kv) {
+inline int64_t attn_row_tiles(int Q, int H, int H_kv) {
   const int64_t rows = static_cast<int64_t>(Q) * (H / H_kv);
-  return dim3(static_cast<unsigned>((rows + AttnTile<DCH>::kRows - 1) / AttnTile<DCH>::kRows),
+  return (rows + AttnTile<DCH>::kRows - 1) / AttnTile<DCH>::kRows;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- split-KV: the occupancy rule ---------------------------------------------
+// Without a split the grid has B * H_kv * row_tiles blocks, independent of T:
+// at LLaDA-8B decode shapes (H = H_kv = 32, d = 128: 16 rows and 32 keys a
+// tile; B = 1, Q = 32) that is 64 blocks for the 132 SMs of an H200, so half
+// the SMs idle for the whole pass over T keys. The rule:
+//   target = kSplitTargetBlocksPerSm * SMs blocks. One resident block per SM
+//     leaves it idle while that block waits at the barrier for its next K/V
+//     tile; with two, one computes while the other loads (a d = 128 block
+//     takes ~40 KB of shared memory, so two fit easily).
+//   blocks >= target: no split (prefill, block refreshes: Q ~ T).
+//   else splits = min(ceil(target / blocks), tiles / ceil(kMinKeysPerSplit /
+//     keys per tile)): just enough chunks to reach the target, but no chunk
+//     under kMinKeysPerSplit keys, so the per-chunk cost (reloading the query
+//     tile, writing d + 2 floats per row, the combine) stays a small part of
+//     the chunk's 2 * chunk * d K/V loads. Chunks are whole tiles; the count is
+//     then recomputed so that none is empty (attn_key_chunks).
+// An SM count of 0 never splits (the simulator's default: no device to fill).
+// H200 arithmetic at LLaDA-8B shapes: dllm_ops/ops.py sparse_attention.
+constexpr int kSplitTargetBlocksPerSm = 2;
+constexpr int kMinKeysPerSplit = 128;
+
+// Whole-tile chunks of `tiles` tiles for at most `splits` chunks: (tiles per
+// chunk, chunks), no chunk empty.
+struct ChunkShape {
+  int64_t tiles_per_chunk;
+  int64_t chunks;
+};
+inline ChunkShape whole_tile_chunks(int64_t tiles, int64_t splits) {
+  const int64_t per = ceil_div(tiles, std::max<int64_t>(1, std::min(splits, tiles)));
+  return ChunkShape{per, ceil_div(tiles, per)};
+}
+
+// The rule above: key chunks for an unsplit grid of `blocks` blocks over T
+// keys in tiles of keys_per_tile, on a device of sm_count SMs (1 = no split).
+inline int attention_key_splits(int64_t blocks, int64_t T, int keys_per_tile, int sm_count) {
+  const int64_t target = static_cast<int64_t>(kSplitTargetBlocksPerSm) * sm_count;
+  if (blocks <= 0 || T <= 0 || blocks >= target) return 1;
+  const int64_t tiles = ceil_div(T, keys_per_tile);
+  const int64_t most = tiles / ceil_div(kMinKeysPerSplit, keys_per_tile);
+  const int64_t splits = std::min(ceil_div(target, blocks), most);
+  if (splits <= 1) return 1;
+  return static_cast<int>(whole_tile_chunks(tiles, splits).chunks);
+}
+
+// The rule for an attention launch of these sizes (its tile's rows and keys).
+inline int attention_key_splits_for(int64_t B, int64_t Q, int64_t H, int64_t H_kv, int64_t T,
+                                    int d, int sm_count) {
+  int splits = 1;
+  with_head_dim_chunks(d, [&](auto dch) {
+    constexpr int DCH = decltype(dch)::value;
+    const int64_t blocks = B * H_kv * attn_row_tiles<DCH>(static_cast<int>(Q), static_cast<int>(H),
+                                                          static_cast<int>(H_kv));
+    splits = attention_key_splits(blocks, T, AttnTile<DCH>::kKeys, sm_count);
+  });
+  return splits;
+}
+
+// Floats of the split-KV workspace: [splits, rows, d] accumulators, then
+// [splits, rows, 2] states, rows = B * Q * H.
+inline int64_t attention_split_workspace_floats(int64_t splits, int64_t rows, int64_t d) {
+  return splits * rows * (d + 2);
+}
+
+// How a launch cuts the keys: grid.x = row_tiles * splits, block x folds keys
+// [chunk * chunk_keys, ...) of row tile x % row_tiles, chunk x / row_tiles.
+struct KeyChunks {
+  int row_tiles;
+  int splits;            // 1: one pass over all keys, normalised output
+  int chunk_keys;        // keys per chunk, whole tiles (the last chunk may be shorter)
+  int64_t rows;          // B * Q * H, the workspace's row count
+  float* partial_acc;    // [splits, rows, d] unnormalised fp32 accumulators (splits > 1)
+  float* partial_state;  // [splits, rows, 2] (m, l) of each chunk (splits > 1)
+
+  __device__ __forceinline__ int row_tile() const { return blockIdx.x % row_tiles; }
+  __device__ __forceinline__ int chunk() const { return blockIdx.x / row_tiles; }
+  __device__ __forceinline__ int key_begin() const { return chunk() * chunk_keys; }
+  __device__ __forceinline__ int key_end(int T) const {
+    const int t0 = key_begin();
+    return t0 + min(chunk_keys, T - t0);
+  }
+};
+
+// The chunks of a launch asking for `splits` (1, or no workspace: one pass).
+template <int DCH>
+inline KeyChunks attn_key_chunks(int B, int Q, int H, int H_kv, int T, int d, int splits,
+                                 float* workspace) {
+  const int64_t row_tiles = attn_row_tiles<DCH>(Q, H, H_kv);
+  const int64_t rows = static_cast<int64_t>(B) * Q * H;
+  if (splits <= 1 || workspace == nullptr)
+    return KeyChunks{static_cast<int>(row_tiles), 1, T, rows, nullptr, nullptr};
+  constexpr int BK = AttnTile<DCH>::kKeys;
+  const ChunkShape c = whole_tile_chunks(ceil_div(T, BK), splits);
+  return KeyChunks{static_cast<int>(row_tiles), static_cast<int>(c.chunks),
+                   static_cast<int>(c.tiles_per_chunk * BK), rows, workspace,
+                   workspace + c.chunks * rows * d};
+}
+
+// Grid of an attention launch: (row tiles x key chunks, KV heads, batch rows).
+inline dim3 attn_grid(const KeyChunks& kc, int B, int H_kv) {
+  return dim3(static_cast<unsigned>(static_cast<int64_t>(kc.row_tiles) * kc.splits),
               static_cast<unsigned>(H_kv), static_cast<unsigned>(B));
 }
 
@@ -72,6 +182,12 @@ __device__ __forceinline__ void load_query_rows(float (&qs)[R][DM], const T* __r
 __device__ __forceinline__ bool key_is_valid(const bool* key_valid, int64_t b, int64_t T,
                                              int64_t t) {
   return t < T && (key_valid == nullptr || key_valid[b * T + t]);
+}
+
+// Key t of a block's chunk [.., t_end) is valid (t_end = T without split-KV).
+__device__ __forceinline__ bool key_in_chunk(const bool* key_valid, int64_t b, int64_t T,
+                                             int64_t t_end, int64_t t) {
+  return t < t_end && key_is_valid(key_valid, b, T, t);
 }
 
 // scale * (q . k); every attention kernel scores with it, so recomputed
@@ -133,19 +249,40 @@ struct WarpRows {
     }
   }
 
-  // Stores each of this warp's rows (see store) to its place in out
-  // [B, Q, H, d], then calls on_row(w, o) with o its row offset in units of d.
+  // Stores each of this warp's rows. One pass over the keys (kc.splits == 1):
+  // normalised (see store) to its place in out [B, Q, H, d], then
+  // on_row(w, o) with o its row offset in units of d. A key chunk (split-KV):
+  // the row's partial state and unnormalised accumulator go to the
+  // workspace instead, for attention_combine_kernel.
   template <typename T, typename OnRow>
-  __device__ __forceinline__ void store_rows(T* __restrict__ out, int64_t b, int row0, int n_rows,
-                                             int Q, int H, int G, int kvh, int warp, int lane,
-                                             int d, OnRow on_row) const {
+  __device__ __forceinline__ void store_rows(const KeyChunks& kc, T* __restrict__ out, int64_t b,
+                                             int row0, int n_rows, int Q, int H, int G, int kvh,
+                                             int warp, int lane, int d, OnRow on_row) const {
 #pragma unroll
     for (int w = 0; w < RW; ++w) {
       const int r = row0 + warp * RW + w;
       if (r >= n_rows) break;
       const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
-      store(w, out + o * d, d, lane);
-      on_row(w, o);
+      if (kc.splits > 1) {
+        store_partial(w, kc, kc.chunk() * kc.rows + o, d, lane);
+      } else {
+        store(w, out + o * d, d, lane);
+        on_row(w, o);
+      }
+    }
+  }
+
+  // Writes row w's chunk result to workspace row `slot` (chunk * rows + o).
+  __device__ __forceinline__ void store_partial(int w, const KeyChunks& kc, int64_t slot, int d,
+                                                int lane) const {
+#pragma unroll
+    for (int c = 0; c < DCH; ++c) {
+      const int i = lane + c * kWarp;
+      if (i < d) kc.partial_acc[slot * d + i] = acc[w][c];
+    }
+    if (lane == 0) {
+      kc.partial_state[slot * 2] = st[w].m;
+      kc.partial_state[slot * 2 + 1] = st[w].l;
     }
   }
 
@@ -160,6 +297,70 @@ struct WarpRows {
     }
   }
 };
+
+// ---- split-KV: the combine ------------------------------------------------------
+// One warp per output row merges the row's chunk results by log-sum-exp:
+//   M = max_s m_s,  l = sum_s l_s e^(m_s - M),  out = (sum_s acc_s e^(m_s - M)) / l,
+// each chunk rescaled once (math::softmax_rescale: a chunk that saw no valid
+// key has m_s = -inf and weighs 0; a row with none at all gets zeros, as the
+// one-pass kernel gives). With stats, (M, l) is the row's final softmax
+// state, which the probabilities kernel normalises with.
+template <typename T>
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_combine_kernel(const float* __restrict__ partial_acc,
+                             const float* __restrict__ partial_state, T* __restrict__ out,
+                             float* __restrict__ stats, int64_t rows, int splits, int d) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kAttnWarps + threadIdx.x / kWarp;
+  if (row >= rows) return;  // warp-uniform; no barrier below
+  const auto chunk_m = [&](int s) { return partial_state[(s * rows + row) * 2]; };
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, chunk_m(s));
+  float l = 0.f;
+  for (int s = 0; s < splits; ++s)
+    l += partial_state[(s * rows + row) * 2 + 1] * math::softmax_rescale(chunk_m(s), m);
+  const float inv = math::softmax_inv_sum(l);
+  for (int i = lane; i < d; i += kWarp) {
+    float acc = 0.f;
+    for (int s = 0; s < splits; ++s)
+      acc += partial_acc[(s * rows + row) * d + i] * math::softmax_rescale(chunk_m(s), m);
+    out[row * d + i] = from_float<T>(acc * inv);
+  }
+  if (stats && lane == 0) {
+    stats[row * 2] = m;
+    stats[row * 2 + 1] = l;
+  }
+}
+
+// The workspace of a split launch (attn_key_chunks) and where its rows go.
+template <typename T>
+struct AttentionCombineParams {
+  const float* partial_acc;    // [splits, rows, d] unnormalised fp32 accumulators
+  const float* partial_state;  // [splits, rows, 2] (m, l) of each chunk
+  T* out;                      // [rows, d] = [B, Q, H, d]
+  float* stats;                // [rows, 2] final (m, l), or null
+  int64_t rows;                // B * Q * H
+  int splits, d;
+};
+
+template <typename T>
+void launch_attention_combine(const AttentionCombineParams<T>& p, stream_t stream) {
+  if (p.rows == 0) return;
+  const int64_t blocks = ceil_div(p.rows, kAttnWarps);
+  DLLM_LAUNCH(attention_combine_kernel<T>, dim3(static_cast<unsigned>(blocks)),
+              dim3(kAttnThreads), 0, stream, p.partial_acc, p.partial_state, p.out, p.stats,
+              p.rows, p.splits, p.d);
+}
+
+// A launch's combine, when it split the keys.
+template <typename T>
+void combine_key_chunks(const KeyChunks& kc, T* out, float* stats, int d, stream_t stream) {
+  if (kc.splits <= 1) return;
+  launch_attention_combine<T>({.partial_acc = kc.partial_acc, .partial_state = kc.partial_state,
+                               .out = out, .stats = stats, .rows = kc.rows, .splits = kc.splits,
+                               .d = d},
+                              stream);
+}
 
 }  // namespace cuda
 }  // namespace dllm

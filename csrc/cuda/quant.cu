@@ -182,6 +182,7 @@ at::Tensor quant_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes,
   auto out = at::empty({s.B, s.Q, s.H, s.d}, q.options());
   if (s.B == 0 || s.Q == 0 || s.H == 0) return out;
   StatusWord status(q);
+  const SplitKvPlan split = plan_split_kv(op, q, s.B, s.Q, s.H, s.H_kv, s.T, s.d);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::quant_attention", [&] {
     cuda::quant::launch_quant_attention<kernel_t<scalar_t>>(
         {.q = kernel_ptr<scalar_t>(qc), .k = packed_k_view<scalar_t>(s.k, kcc, ksc, kmc, kic, kvc),
@@ -190,7 +191,8 @@ at::Tensor quant_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes,
          .out = kernel_mut_ptr<scalar_t>(out), .status = status.data(),
          .B = static_cast<int>(s.B), .Q = static_cast<int>(s.Q), .H = static_cast<int>(s.H),
          .H_kv = static_cast<int>(s.H_kv), .T = static_cast<int>(s.T),
-         .d = static_cast<int>(s.d)},
+         .d = static_cast<int>(s.d), .key_splits = split.splits,
+         .split_workspace = optional_mut_ptr<float>(split.workspace)},
         DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();

@@ -476,16 +476,19 @@ void launch_dequantize_v(const DequantizeVParams<T>& p, stream_t stream) {
 // ============================================================================
 // quant_attention
 // ============================================================================
-// Tiling and the online softmax as sparse_attention (cuda/attention_tile.cuh);
-// each tile of keys is dequantized into shared memory first (fp32 holding the
-// dtype-rounded dequantized values, or the protected tokens' stored values).
-// Blocks with blockIdx.x == 0 also validate prot_idx of their (b, kvh).
+// Tiling, the online softmax and split-KV as sparse_attention
+// (cuda/attention_tile.cuh); each tile of keys is dequantized into shared
+// memory first (fp32 holding the dtype-rounded dequantized values, or the
+// protected tokens' stored values). Blocks with blockIdx.x == 0 (row tile 0,
+// key chunk 0) also validate prot_idx of their (b, kvh), all of its groups,
+// so a corrupt entry is reported whichever chunk would read it.
 
 template <typename T, int DCH>
 __global__ void __launch_bounds__(kAttnThreads)
     quant_attention_kernel(const T* __restrict__ q, PackedK<T> pk, PackedV<T> pv,
                            const bool* __restrict__ key_valid, float scale, T* __restrict__ out,
-                           int* __restrict__ status, int Q, int H, int H_kv, int T_len, int d) {
+                           int* __restrict__ status, KeyChunks chunks, int Q, int H, int H_kv,
+                           int T_len, int d) {
   using Tile = AttnTile<DCH>;
   constexpr int RW = Tile::kRowsPerWarp, BK = Tile::kKeys, R = Tile::kRows, DM = Tile::kDim;
   __shared__ float qs[R][DM];
@@ -495,7 +498,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int G = H / H_kv;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z, bh = b * H_kv + kvh;
-  const int row0 = blockIdx.x * R, n_rows = Q * G;
+  const int row0 = chunks.row_tile() * R, n_rows = Q * G;
+  const int t_begin = chunks.key_begin(), t_end = chunks.key_end(T_len);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int nk = math::codes_per_byte(pk.bits);
 
@@ -511,12 +515,12 @@ __global__ void __launch_bounds__(kAttnThreads)
   WarpRows<RW, DCH> rows;
   rows.init();
 
-  for (int t0 = 0; t0 < T_len; t0 += BK) {
+  for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     __syncthreads();  // the previous tile is fully consumed (and qs is loaded)
     if (static_cast<int>(threadIdx.x) < BK) {
       const int t = t0 + threadIdx.x;
       int slot = -1;
-      if (t < T_len) {
+      if (t < t_end) {
         const int g = t / pk.G;
         slot = math::prot_slot_of(pk.prot_idx + (bh * pk.n_groups + g) * pk.p, pk.p, t % pk.G);
       }
@@ -527,7 +531,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       const int kk = e / d, i = e % d;
       const int t = t0 + kk;
       float kx = 0.f, vx = 0.f;
-      if (t < T_len) {
+      if (t < t_end) {
         const int64_t kg = bh * pk.n_groups + t / pk.G;
         const int slot = kslot[kk];
         if (slot >= 0) {
@@ -543,13 +547,16 @@ __global__ void __launch_bounds__(kAttnThreads)
       vs[kk][i] = vx;
     }
     __syncthreads();
-    const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
+    const bool key_ok = lane < BK && key_in_chunk(key_valid, b, T_len, t_end, t0 + lane);
     rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
-  rows.store_rows(out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [](int, int64_t) {});
+  rows.store_rows(chunks, out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d,
+                  [](int, int64_t) {});
 }
 
 // All tensors contiguous. Requires 0 < d <= 256, H % H_kv == 0, T > 0.
+// key_splits > 1 cuts the keys into (up to) that many chunks (split-KV,
+// cuda/attention_tile.cuh; the glue picks it with attention_key_splits).
 template <typename Scalar>
 struct QuantAttentionParams {
   const Scalar* q;        // [B, Q, H, d]
@@ -560,13 +567,19 @@ struct QuantAttentionParams {
   Scalar* out;            // [B, Q, H, d]
   int* status;            // math::QuantStatus bits (corrupt prot_idx)
   int B, Q, H, H_kv, T, d;
+  int key_splits;          // key chunks asked for; 1 = one pass
+  float* split_workspace;  // attention_split_workspace_floats(key_splits, B * Q * H, d) fp32
+                           // scratch when key_splits > 1, else null
 };
 
 template <typename T, int DCH>
 void launch_quant_attention_d(const QuantAttentionParams<T>& p, stream_t stream) {
   const auto kernel = quant_attention_kernel<T, DCH>;  // a template-id with a comma is no macro arg
-  DLLM_LAUNCH(kernel, attn_grid<DCH>(p.B, p.Q, p.H, p.H_kv), dim3(kAttnThreads), 0, stream, p.q,
-              p.k, p.v, p.key_valid, p.scale, p.out, p.status, p.Q, p.H, p.H_kv, p.T, p.d);
+  const KeyChunks chunks =
+      attn_key_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits, p.split_workspace);
+  DLLM_LAUNCH(kernel, attn_grid(chunks, p.B, p.H_kv), dim3(kAttnThreads), 0, stream, p.q, p.k,
+              p.v, p.key_valid, p.scale, p.out, p.status, chunks, p.Q, p.H, p.H_kv, p.T, p.d);
+  combine_key_chunks(chunks, p.out, static_cast<float*>(nullptr), p.d, stream);
 }
 
 template <typename T>

@@ -100,6 +100,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
   auto probs = return_probs ? at::empty({B, Q, T}, f32) : at::empty({0}, f32);
   at::Tensor stats;
   if (return_probs) stats = at::empty({B, Q, H, 2}, f32);
+  const SplitKvPlan split = plan_split_kv(op, q, B, Q, H, H_kv, T, d);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
     cuda::launch_sparse_attention<kernel_t<scalar_t>>(
         {.q = kernel_ptr<scalar_t>(qc), .k_cache = kernel_ptr<scalar_t>(kc),
@@ -108,7 +109,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
          .stats = optional_mut_ptr<float>(stats),
          .probs = return_probs ? probs.mutable_data_ptr<float>() : nullptr,
          .B = static_cast<int>(B), .Q = static_cast<int>(Q), .H = static_cast<int>(H),
-         .H_kv = static_cast<int>(H_kv), .T = static_cast<int>(T), .d = static_cast<int>(d)},
+         .H_kv = static_cast<int>(H_kv), .T = static_cast<int>(T), .d = static_cast<int>(d),
+         .key_splits = split.splits, .split_workspace = optional_mut_ptr<float>(split.workspace)},
         DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();

@@ -162,16 +162,17 @@ void launch_rope_scatter_kv(const RopeScatterKvParams<T>& p, stream_t stream) {
 // ============================================================================
 // sparse_attention
 // ============================================================================
-// Tiling and the online softmax: cuda/attention_tile.cuh.
-// With stats != nullptr the final (m, l) of each (b, q, h) are stored so the
-// probabilities kernel can normalise recomputed scores exactly.
+// Tiling, the online softmax and split-KV: cuda/attention_tile.cuh.
+// With stats != nullptr the final (m, l) of each (b, q, h) are stored (by the
+// combine when the keys are split) so the probabilities kernel can normalise
+// recomputed scores exactly.
 
 template <typename T, int DCH>
 __global__ void __launch_bounds__(kAttnThreads)
     sparse_attention_kernel(const T* __restrict__ q, const T* __restrict__ kc,
                             const T* __restrict__ vc, const bool* __restrict__ key_valid,
-                            float scale, T* __restrict__ out, float* __restrict__ stats, int Q,
-                            int H, int H_kv, int T_len, int d) {
+                            float scale, T* __restrict__ out, float* __restrict__ stats,
+                            KeyChunks chunks, int Q, int H, int H_kv, int T_len, int d) {
   using Tile = AttnTile<DCH>;
   constexpr int RW = Tile::kRowsPerWarp, BK = Tile::kKeys, R = Tile::kRows, DM = Tile::kDim;
   __shared__ float qs[R][DM];
@@ -180,7 +181,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int G = H / H_kv;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
-  const int row0 = blockIdx.x * R, n_rows = Q * G;
+  const int row0 = chunks.row_tile() * R, n_rows = Q * G;
+  const int t_begin = chunks.key_begin(), t_end = chunks.key_end(T_len);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 
   load_query_rows(qs, q, b, kvh, row0, n_rows, Q, H, G, d);
@@ -190,19 +192,19 @@ __global__ void __launch_bounds__(kAttnThreads)
   WarpRows<RW, DCH> rows;
   rows.init();
 
-  for (int t0 = 0; t0 < T_len; t0 += BK) {
+  for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     __syncthreads();  // the previous tile is fully consumed (and qs is loaded)
     for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
       const int kk = e / d, i = e % d;
       const int64_t t = t0 + kk;
-      ks[kk][i] = t < T_len ? to_float(K[t * d + i]) : 0.f;
-      vs[kk][i] = t < T_len ? to_float(V[t * d + i]) : 0.f;
+      ks[kk][i] = t < t_end ? to_float(K[t * d + i]) : 0.f;
+      vs[kk][i] = t < t_end ? to_float(V[t * d + i]) : 0.f;
     }
     __syncthreads();
-    const bool key_ok = lane < BK && key_is_valid(key_valid, b, T_len, t0 + lane);
+    const bool key_ok = lane < BK && key_in_chunk(key_valid, b, T_len, t_end, t0 + lane);
     rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
-  rows.store_rows(out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [&](int w, int64_t o) {
+  rows.store_rows(chunks, out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d, [&](int w, int64_t o) {
     if (stats && lane == 0) {
       stats[o * 2] = rows.st[w].m;
       stats[o * 2 + 1] = rows.st[w].l;
@@ -262,6 +264,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 // All tensors contiguous. Requires 0 < d <= 256 and H % H_kv == 0.
+// key_splits > 1 cuts the keys into (up to) that many chunks (split-KV,
+// cuda/attention_tile.cuh; the glue picks it with attention_key_splits).
 template <typename Scalar>
 struct SparseAttentionParams {
   const Scalar* q;        // [B, Q, H, d]
@@ -273,6 +277,9 @@ struct SparseAttentionParams {
   float* stats;           // [B, Q, H, 2] fp32 scratch, only with probs (else null)
   float* probs;           // [B, Q, T] head-averaged probabilities, or null
   int B, Q, H, H_kv, T, d;
+  int key_splits;          // key chunks asked for; 1 = one pass
+  float* split_workspace;  // attention_split_workspace_floats(key_splits, B * Q * H, d) fp32
+                           // scratch when key_splits > 1, else null
 };
 
 template <typename T, int DCH>
@@ -280,9 +287,12 @@ void launch_sparse_attention_d(const SparseAttentionParams<T>& p, stream_t strea
   // Named aliases: a template-id with a comma cannot be a macro argument.
   const auto attention_kernel = sparse_attention_kernel<T, DCH>;
   const auto probs_kernel = attention_probs_kernel<T, DCH>;
-  DLLM_LAUNCH(attention_kernel, attn_grid<DCH>(p.B, p.Q, p.H, p.H_kv), dim3(kAttnThreads), 0,
-              stream, p.q, p.k_cache, p.v_cache, p.key_valid, p.scale, p.out, p.stats, p.Q, p.H,
+  const KeyChunks chunks =
+      attn_key_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits, p.split_workspace);
+  DLLM_LAUNCH(attention_kernel, attn_grid(chunks, p.B, p.H_kv), dim3(kAttnThreads), 0, stream,
+              p.q, p.k_cache, p.v_cache, p.key_valid, p.scale, p.out, p.stats, chunks, p.Q, p.H,
               p.H_kv, p.T, p.d);
+  combine_key_chunks(chunks, p.out, p.stats, p.d, stream);
   if (!p.probs) return;
   const dim3 pgrid(static_cast<unsigned>((p.T + kProbKeys - 1) / kProbKeys),
                    static_cast<unsigned>((p.Q + kProbQueries - 1) / kProbQueries),

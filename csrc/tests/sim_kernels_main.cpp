@@ -305,10 +305,12 @@ static void test_rope_scatter_kv(const char* name, int B, int Q, int H, int Hkv,
 }
 
 // Attention (+ head-averaged probabilities) against a double host loop; batch
-// row 1 has masked keys, batch row 2 (if any) none valid at all.
+// row 1 has masked keys, batch row 2 (if any) none valid at all. key_splits > 1
+// runs split-KV: the workspace starts as NaN, so a partial the combine reads
+// but no chunk wrote shows up in out.
 template <typename T>
 static void test_sparse_attention(const char* name, int B, int Q, int H, int Hkv, int Tn, int d,
-                                  double tol) {
+                                  double tol, int key_splits = 1) {
   std::mt19937 rng(B * 7 + Q * 13 + H * 3 + Tn + d);
   std::normal_distribution<float> n01;
   auto fill = [&](size_t n) {
@@ -324,10 +326,13 @@ static void test_sparse_attention(const char* name, int B, int Q, int H, int Hkv
   std::vector<T> out(q.size());
   std::vector<float> stats(size_t(B) * Q * H * 2), probs(size_t(B) * Q * Tn, -1.f);
   const float scale = 1.f / std::sqrt(float(d));
+  std::vector<float> workspace(
+      size_t(dllm::cuda::attention_split_workspace_floats(key_splits, int64_t(B) * Q * H, d)), NAN);
   dllm::cuda::launch_sparse_attention<T>(
       {.q = q.data(), .k_cache = kc.data(), .v_cache = vc.data(), .key_valid = valid,
        .scale = scale, .out = out.data(), .stats = stats.data(), .probs = probs.data(), .B = B,
-       .Q = Q, .H = H, .H_kv = Hkv, .T = Tn, .d = d},
+       .Q = Q, .H = H, .H_kv = Hkv, .T = Tn, .d = d, .key_splits = key_splits,
+       .split_workspace = key_splits > 1 ? workspace.data() : nullptr},
       nullptr);
   auto f = [](T x) { return double(dllm::cuda::to_float(x)); };
   const int G = H / Hkv;
@@ -409,6 +414,73 @@ static void test_gather_scatter_rows() {
   for (size_t n = 0; n < kept_dst.size(); ++n) expect_close(kept_dst[n], 7, 0.0, "scatter_rows fault", int(n));
 }
 
+// The split-KV combine on its own: hand-made chunk results (a chunk that saw
+// no valid key: m = -inf, l = 0; a row where no chunk did) against a double
+// log-sum-exp merge, stats included.
+static void test_attention_combine() {
+  const int rows = 5, splits = 3, d = 40;
+  std::mt19937 rng(77);
+  std::normal_distribution<float> n01;
+  std::uniform_real_distribution<float> u(0.5f, 3.f);
+  std::vector<float> acc(size_t(splits) * rows * d), state(size_t(splits) * rows * 2);
+  for (auto& x : acc) x = n01(rng);
+  for (int s = 0; s < splits; ++s)
+    for (int r = 0; r < rows; ++r) {
+      const bool empty = r == 4 || (r == 1 && s == 2);
+      state[(size_t(s) * rows + r) * 2] = empty ? -INFINITY : 4.f * n01(rng);
+      state[(size_t(s) * rows + r) * 2 + 1] = empty ? 0.f : u(rng);
+      if (empty) std::fill_n(acc.begin() + (size_t(s) * rows + r) * d, d, 0.f);
+    }
+  std::vector<float> out(size_t(rows) * d, NAN), stats(size_t(rows) * 2, NAN);
+  dllm::cuda::launch_attention_combine<float>(
+      {.partial_acc = acc.data(), .partial_state = state.data(), .out = out.data(),
+       .stats = stats.data(), .rows = rows, .splits = splits, .d = d},
+      nullptr);
+  for (int r = 0; r < rows; ++r) {
+    double m = -INFINITY, l = 0;
+    for (int s = 0; s < splits; ++s) m = std::max(m, double(state[(size_t(s) * rows + r) * 2]));
+    const auto w = [&](int s) {
+      const double ms = state[(size_t(s) * rows + r) * 2];
+      return ms == -INFINITY ? 0.0 : std::exp(ms - m);
+    };
+    for (int s = 0; s < splits; ++s) l += state[(size_t(s) * rows + r) * 2 + 1] * w(s);
+    for (int i = 0; i < d; ++i) {
+      double o = 0;
+      for (int s = 0; s < splits; ++s) o += acc[(size_t(s) * rows + r) * d + i] * w(s);
+      expect_close(out[size_t(r) * d + i], l > 0 ? o / l : 0.0, 1e-6, "attention_combine", r);
+    }
+    expect_close(stats[size_t(r) * 2 + 1], l, 1e-6, "attention_combine l", r);
+    if (l > 0) expect_close(stats[size_t(r) * 2], m, 0.0, "attention_combine m", r);
+    else expect_close(stats[size_t(r) * 2] == -INFINITY, 1, 0.0, "attention_combine empty m", r);
+  }
+}
+
+// The occupancy rule at the shapes dllm_ops/ops.py sparse_attention quotes
+// (H200: 132 SMs; LLaDA-8B: H = H_kv = 32, d = 128; Dream-7B: H = 28, H_kv = 4).
+static void test_split_kv_rule() {
+  using dllm::cuda::attention_key_splits_for;
+  struct Case {
+    int64_t B, Q, H, H_kv, T;
+    int sms, want;
+  };
+  const Case cases[] = {
+      {1, 32, 32, 32, 768, 132, 5},   // 64 blocks -> 5 chunks of 160 keys (320 blocks)
+      {1, 32, 32, 32, 4096, 132, 5},  // 5 chunks of 832 keys
+      {1, 8, 32, 32, 768, 132, 6},    // 32 blocks; 9 wanted, 6 chunks of 128 keys allowed
+      {1, 8, 32, 32, 4096, 132, 9},   // 9 chunks of 480 keys (288 blocks)
+      {1, 1, 32, 32, 4096, 132, 9},   // Q = 1: the same one row tile per head
+      {1, 128, 32, 32, 4096, 132, 2}, // 256 blocks, just under the 264 target
+      {1, 768, 32, 32, 768, 132, 1},  // block refresh: 1536 blocks
+      {2, 96, 32, 32, 4096, 132, 1},  // 384 blocks
+      {1, 32, 28, 4, 768, 132, 5},    // Dream-7B: 4 KV heads x 14 row tiles = 56 blocks
+      {1, 32, 32, 32, 200, 132, 1},   // T < 2 x 128 keys: one chunk
+      {1, 32, 32, 32, 4096, 0, 1},    // no SMs to fill (the simulator's default)
+  };
+  for (const Case& c : cases)
+    expect_close(attention_key_splits_for(c.B, c.Q, c.H, c.H_kv, c.T, 128, c.sms), c.want, 0.0,
+                 "attention_key_splits_for", int(c.Q * 10000 + c.T));
+}
+
 static void test_sparse_kv_family() {
   test_validate_indices();
   test_rope_scatter_kv<float>("rope_scatter_kv<float>", 2, 3, 4, 2, 11, 8, 1e-6);
@@ -416,6 +488,14 @@ static void test_sparse_kv_family() {
   test_sparse_attention<float>("sparse_attention<float>", 3, 3, 4, 2, 37, 16, 1e-5);
   test_sparse_attention<float>("sparse_attention<float> GQA7 d=64", 2, 2, 7, 1, 20, 64, 1e-5);
   test_sparse_attention<__half>("sparse_attention<half> d=130", 1, 2, 2, 2, 19, 130, 3e-3);
+  // Split-KV, chunks forced (the rule would not split so few keys): 2 chunks
+  // of 32 + 5 keys with an all-masked batch row; 4 chunks, the last 4 keys; 4
+  // chunks of 16-key tiles (d = 130), the last 2 keys.
+  test_sparse_attention<float>("sparse_attention<float> split 2", 3, 3, 4, 2, 37, 16, 1e-5, 2);
+  test_sparse_attention<float>("sparse_attention<float> GQA7 split 4", 2, 2, 7, 1, 100, 64, 1e-5, 4);
+  test_sparse_attention<__half>("sparse_attention<half> d=130 split 4", 1, 2, 2, 2, 50, 130, 3e-3, 4);
+  test_attention_combine();
+  test_split_kv_rule();
   test_gather_scatter_rows();
 }
 
@@ -824,46 +904,61 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
   const q::PackedV<T> pvv{vcodes.data(), vscale.data(), vmn.data(), bits, Gv, ngv, rb};
   q::launch_dequantize_v<T>({.packed = pvv, .out = vd.data(), .n_rows = int64_t(B) * H * Tn, .d = d},
                             nullptr);
-  // quant_attention against a double host loop over the dequantized caches.
+  // quant_attention against a double host loop over the dequantized caches:
+  // one pass, and split-KV into 2 chunks (32 + 5 keys; the chunks forced).
   bool valid[64];
   for (int t = 0; t < Tn; ++t) valid[t] = t % 4 != 1;
   std::vector<T> out(qv.size());
   const float sc = 1.f / std::sqrt(float(d));
+  std::vector<float> workspace(
+      size_t(dllm::cuda::attention_split_workspace_floats(2, int64_t(B) * Q * Hq, d)), NAN);
   const q::QuantAttentionParams<T> attn{.q = qv.data(), .k = pk, .v = pvv, .key_valid = valid,
                                          .scale = sc, .out = out.data(), .status = &status,
-                                         .B = B, .Q = Q, .H = Hq, .H_kv = H, .T = Tn, .d = d};
-  q::launch_quant_attention(attn, nullptr);
-  expect_close(status, 0, 0.0, name, 3);
-  for (int j = 0; j < Q; ++j)
-    for (int hq = 0; hq < Hq; ++hq) {
-      const int h = hq / (Hq / H);
-      std::vector<double> s(Tn, 0.0);
-      double mx = -INFINITY, sum = 0.0;
-      for (int t = 0; t < Tn; ++t) {
-        if (!valid[t]) continue;
-        double dot = 0;
-        for (int c = 0; c < d; ++c)
-          dot += double(to_float(qv[(size_t(j) * Hq + hq) * d + c])) * to_float(kd[(size_t(h) * Tn + t) * d + c]);
-        s[t] = dot * sc;
-        mx = std::max(mx, s[t]);
+                                         .B = B, .Q = Q, .H = Hq, .H_kv = H, .T = Tn, .d = d,
+                                         .key_splits = 1, .split_workspace = nullptr};
+  const q::QuantAttentionParams<T> split_attn = [&] {
+    q::QuantAttentionParams<T> p2 = attn;
+    p2.key_splits = 2;
+    p2.split_workspace = workspace.data();
+    return p2;
+  }();
+  for (const auto* run : {&attn, &split_attn}) {
+    std::fill(out.begin(), out.end(), cast_from_float<T>(NAN));
+    q::launch_quant_attention(*run, nullptr);
+    expect_close(status, 0, 0.0, name, 3);
+    for (int j = 0; j < Q; ++j)
+      for (int hq = 0; hq < Hq; ++hq) {
+        const int h = hq / (Hq / H);
+        std::vector<double> s(Tn, 0.0);
+        double mx = -INFINITY, sum = 0.0;
+        for (int t = 0; t < Tn; ++t) {
+          if (!valid[t]) continue;
+          double dot = 0;
+          for (int c = 0; c < d; ++c)
+            dot += double(to_float(qv[(size_t(j) * Hq + hq) * d + c])) * to_float(kd[(size_t(h) * Tn + t) * d + c]);
+          s[t] = dot * sc;
+          mx = std::max(mx, s[t]);
+        }
+        for (int t = 0; t < Tn; ++t) sum += valid[t] ? std::exp(s[t] - mx) : 0.0;
+        for (int c = 0; c < d; ++c) {
+          double o = 0;
+          for (int t = 0; t < Tn; ++t)
+            if (valid[t]) o += std::exp(s[t] - mx) / sum * to_float(vd[(size_t(h) * Tn + t) * d + c]);
+          expect_close(to_float(out[(size_t(j) * Hq + hq) * d + c]), o, attn_tol, name, c);
+        }
       }
-      for (int t = 0; t < Tn; ++t) sum += valid[t] ? std::exp(s[t] - mx) : 0.0;
-      for (int c = 0; c < d; ++c) {
-        double o = 0;
-        for (int t = 0; t < Tn; ++t)
-          if (valid[t]) o += std::exp(s[t] - mx) / sum * to_float(vd[(size_t(h) * Tn + t) * d + c]);
-        expect_close(to_float(out[(size_t(j) * Hq + hq) * d + c]), o, attn_tol, name, c);
-      }
-    }
+  }
   // A prot_idx entry past the last group's 5 real tokens is reported.
   pidx[(size_t(1) * n_groups + n_groups - 1) * p] = 6;
   status = 0;
   q::launch_dequantize_k<T>({.packed = pk, .out = kd.data(), .status = &status, .dims = dims},
                             nullptr);
   expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 4);
-  status = 0;
-  q::launch_quant_attention(attn, nullptr);
-  expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 5);
+  for (const auto* run : {&attn, &split_attn}) {
+    status = 0;
+    q::launch_quant_attention(*run, nullptr);
+    expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 5);
+  }
 }
 
 static void test_quant_family_all() {

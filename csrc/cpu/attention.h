@@ -1,0 +1,62 @@
+// One tile of softmax attention on the CPU: the unit sparse_attention runs
+// (csrc/cpu/sparse_kv.cpp, which defines it and explains the three steps), and
+// the one quant_attention runs over the K and V it has just dequantized
+// (csrc/cpu/quant.cpp). One definition, so quant_attention on the CPU equals
+// sparse_attention on the dequantized cache bit for bit.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/isa.h"
+
+namespace dllm {
+namespace cpu {
+
+// q [B, Q, H, d], the caches [B, H_kv, T, d], G = H / H_kv query heads per KV head.
+struct AttnShape {
+  int64_t B, Q, H, H_kv, G, T, d;
+};
+
+// Per-thread scratch of one work unit (sized for the largest tile).
+template <typename T_>
+struct AttnScratch {
+  std::vector<T_> q_rows, qt, p;  // q_rows: the tile's query rows, [M, d]
+  std::vector<float> st, pf, o, mx, sum, inv;  // pf: fp32 P, only with probabilities
+  AttnScratch(int64_t M, int64_t T, int64_t d, bool with_probs)
+      : q_rows(M * d), qt(d * M), p(M * T), st(T * M), pf(with_probs ? M * T : 0), o(M * d),
+        mx(M), sum(M), inv(M) {}
+};
+
+// Queries per tile: enough rows (M = Qt * G ~ 64) for the gemms to run at
+// speed, few enough that the fp32 score block stays within ~4 MB of cache.
+int64_t query_tile(const AttnShape& s);
+
+// One (b, kv head kvh, queries q0 .. q0 + Qt) unit over that head's keys and
+// values K, V [T, d] (contiguous): writes its rows of out [B, Q, H, d] and,
+// with probs_acc, writes (first_head) or adds the tile's probabilities summed
+// over the head's G query heads (row stride T). valid: the batch row's key
+// mask [T] or null; the caller handles a row without any valid key.
+template <typename T_>
+void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+                 const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
+                 AttnScratch<T_>& w, float* probs_acc, bool first_head);
+
+extern template void attend_tile<float>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,
+                                        const float*, const float*, const float*, const bool*,
+                                        float, float*, AttnScratch<float>&, float*, bool);
+extern template void attend_tile<c10::Half>(Isa, const AttnShape&, int64_t, int64_t, int64_t,
+                                            int64_t, const c10::Half*, const c10::Half*,
+                                            const c10::Half*, const bool*, float, c10::Half*,
+                                            AttnScratch<c10::Half>&, float*, bool);
+extern template void attend_tile<c10::BFloat16>(Isa, const AttnShape&, int64_t, int64_t, int64_t,
+                                                int64_t, const c10::BFloat16*,
+                                                const c10::BFloat16*, const c10::BFloat16*,
+                                                const bool*, float, c10::BFloat16*,
+                                                AttnScratch<c10::BFloat16>&, float*, bool);
+
+}  // namespace cpu
+}  // namespace dllm

@@ -1,0 +1,64 @@
+// How the CPU loops read and write an element of a cache dtype, in plain
+// operations that GCC vectorizes: fp32 as is, bf16 through its integer bits,
+// fp16 through c10's conversions (a rare cache dtype; the kernels headers
+// that need fp16 vectors convert with F16C there). Rounding is to nearest
+// even throughout. Defined once, outside the per-instruction-set copies of
+// the kernels headers (cpu/isa.h): always inlined, they take the vector width
+// of the copy that calls them.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace dllm {
+namespace cpu {
+
+// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  const uint16_t rounded = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  return (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40u) : rounded;
+}
+
+static inline __attribute__((always_inline)) float bf16_bits_to_float(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+// Elem<T>::Bits is the type the loops move (reinterpret the cache's pointer
+// as Bits*); load widens one to fp32, store rounds fp32 to it.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  using Bits = float;
+  static inline __attribute__((always_inline)) float load(float x) { return x; }
+  static inline __attribute__((always_inline)) float store(float x) { return x; }
+};
+template <>
+struct Elem<c10::BFloat16> {
+  using Bits = uint16_t;
+  static inline __attribute__((always_inline)) float load(uint16_t h) {
+    return bf16_bits_to_float(h);
+  }
+  static inline __attribute__((always_inline)) uint16_t store(float x) { return bf16_bits_rne(x); }
+};
+template <>
+struct Elem<c10::Half> {
+  using Bits = c10::Half;
+  static inline __attribute__((always_inline)) float load(c10::Half x) {
+    return static_cast<float>(x);
+  }
+  static inline __attribute__((always_inline)) c10::Half store(float x) {
+    return static_cast<c10::Half>(x);
+  }
+};
+
+}  // namespace cpu
+}  // namespace dllm
