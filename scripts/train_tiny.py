@@ -68,7 +68,7 @@ RECIPE = dict(steps=1500, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=
               eval_every=50)
 # The seed of each model's run (the recipe's default); see
 # dllm_ops/checkpoints/README.md for the runs tried.
-SEEDS = {"tiny-llada": 2, "tiny-dream": 0}
+SEEDS = {"tiny-llada": 2, "tiny-dream": 1}
 
 
 def recipe_of(name: str) -> dict:
@@ -77,19 +77,23 @@ def recipe_of(name: str) -> dict:
 
 
 # Micro-batch multiplier per task (default 1; 0 leaves the task out), by phase:
-# (first step, weights). `scan` only pays off once the model reads its left
-# neighbour's running sum, a circuit that the training signal (visible left
-# neighbours only) builds slowly, so it gets twice the samples; `sub`, learnt
-# in a few hundred steps, gets half (its 94-token sequences are the longest,
-# and the time saved buys steps). `lag2` needs the same circuit two tokens
-# back, and a LLaDA model did not form it when `lag2` and `scan` were trained
-# together from the start (seeds 2, 3, 4: both stayed on their plateau), so it
-# joins once `scan` has formed the circuit, taking half of `scan`'s samples
-# (the cost of a step does not change). Before that step the run is the
-# three-task run of the earlier checkpoints, step for step.
+# (first step, weights). A task pays off once the model reads the committed
+# token of a neighbour, a circuit the training signal (visible neighbours
+# only) builds slowly; the task that needs it gets twice the samples. For
+# LLaDA (position j predicts token j) that is `scan` (y_j needs y_{j-1}), so
+# `scan` gets 2 and `sub`, learnt in a few hundred steps, ½ (its 94-token
+# sequences are the longest; the time saved buys steps). `lag2` needs the same
+# circuit two tokens back; LLaDA did not form both when they were trained
+# together from the start (seeds 2, 3, 4 stayed on their plateaus), so `lag2`
+# joins at step 750, once `scan` has the circuit, taking half of `scan`'s
+# samples: before that step the run is the three-task run of the earlier
+# checkpoints, step for step. For Dream (position j-1 predicts token j and
+# holds y_{j-1} itself) `scan` needs no neighbour and `lag2` (y_{j-2}, one
+# position back from j-1) is the task that builds the circuit: `lag2` gets 2
+# and `scan` 1 from the start (checkpoints/README.md has the runs).
 PHASES = {
     "tiny-llada": [[0, {"scan": 2, "sub": 0.5, "lag2": 0}], [750, {"scan": 1, "sub": 0.5, "lag2": 1}]],
-    "tiny-dream": [[0, {"scan": 2, "sub": 0.5, "lag2": 0}], [750, {"scan": 1, "sub": 0.5, "lag2": 1}]],
+    "tiny-dream": [[0, {"scan": 1, "sub": 0.5, "lag2": 2}]],
 }
 
 
