@@ -30,6 +30,8 @@ def _solve(prompt: str) -> list[str]:
     words = prompt.split()
     assert words[0] == "<bos>" and words[-1] == "="
     op, body = words[1], words[2:-1]
+    if op == "+":  # lag2's task word
+        op = "lag2"
     if op == "add":
         plus = body.index("+")
         assert plus == 10 and len(body) == 21
@@ -43,6 +45,11 @@ def _solve(prompt: str) -> list[str]:
             s += d
             out.append(str(s % 10))
         return out
+    if op == "lag2":
+        # Two interleaved running sums: token j sums the digits at j, j-2, j-4, ...
+        assert len(body) == 15
+        xs = _digits(_items(body))
+        return [str(sum(xs[i] for i in range(j % 2, j + 1, 2)) % 10) for j in range(len(xs))]
     if op == "sub":
         src, dst, colon = body[0], body[1], body[2]
         assert colon == ":" and len(body) == 43 and src[0] == "s" and dst[0] == "d"
@@ -84,6 +91,26 @@ def test_add_has_carries_and_operands_without_leading_zeros():
     assert carries > 20  # the final carry happens often enough
 
 
+def test_lag2_needs_the_answer_two_tokens_back():
+    """Token j is the prompt digit j plus answer token j-2 (mod 10), and not a
+    function of token j-1 alone: for each j >= 2 some pair of problems agrees on
+    the prompt digit and answer token j-1 but not on answer token j."""
+    ps = problems("lag2", 500, seed=6)
+    seen = {}
+    conflicts = set()
+    for p in ps:
+        xs = _digits(_items(p.prompt.split()[2:-1]))
+        ys = _digits(p.answer.split())
+        assert 8 <= len(ys) == len(xs) <= 15
+        assert ys[:2] == xs[:2]
+        for j in range(2, len(ys)):
+            assert ys[j] == (xs[j] + ys[j - 2]) % 10
+            key = (j, xs[j], ys[j - 1])
+            if seen.setdefault(key, ys[j]) != ys[j]:
+                conflicts.add(j)
+    assert conflicts == set(range(2, 15))
+
+
 def test_sub_rule_always_fires():
     for p in problems("sub", 300, seed=4):
         src = p.prompt.split()[2][1:]   # "s3" -> "3"
@@ -123,7 +150,7 @@ def test_split_sizes_are_roughly_as_designed():
 
 def test_calibration_pairs_cycle_tasks_and_are_deterministic():
     pairs = calibration_pairs(10, seed=0)
-    assert [p.task for p in pairs[:3]] == list(TASKS)
+    assert [p.task for p in pairs[:len(TASKS)]] == list(TASKS) == ["add", "scan", "sub", "lag2"]
     assert pairs == calibration_pairs(10, seed=0)
     assert all(split_of(p.prompt) == "calib" for p in pairs)
     only = calibration_pairs(5, tasks="add,sub")

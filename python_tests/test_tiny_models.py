@@ -77,16 +77,17 @@ def test_vanilla_solves_every_task(accuracy_rows):
 
 
 def test_stale_cache_loses_accuracy(accuracy_rows):
+    """Both models see cache errors: a cache never refreshed after the first
+    forward costs >= 20 points over all tasks. (On tiny-dream only `lag2`
+    falls: Dream reads token j's logits at j-1, whose own committed token is
+    in its residual stream, so `scan` and `add` survive a stale cache; `lag2`
+    needs token j-2, which only j-2's K/V carries.)"""
     name, rows = accuracy_rows
-    if name == "tiny-dream":
-        # Dream reads token j's logits at j-1, so the stale policy runs the
-        # committed left neighbour, whose own token is in its residual stream:
-        # `scan`, which needs just that neighbour, survives (the checkpoints
-        # README has the figures). The check is on tiny-llada, the demo model.
-        pytest.skip("a stale cache still shows Dream its left neighbour")
     vanilla = rows[("all", "none", "1/call")]["accuracy"]
     stale = rows[("all", "stale", "1/call")]["accuracy"]
     assert vanilla - stale >= 0.20, f"{name}: vanilla {vanilla:.1%}, stale {stale:.1%}"
+    if name == "tiny-dream":
+        assert rows[("lag2", "stale", "1/call")]["accuracy"] < 0.5 * rows[("lag2", "none", "1/call")]["accuracy"]
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

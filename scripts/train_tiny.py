@@ -9,7 +9,7 @@ Objective (masked diffusion, LLaDA SFT): every sequence is
 ``<bos> prompt | answer <eos>...`` with the answer padded with EOS to its
 task's generation length. Every optimizer step sums the losses of one
 micro-batch per task (each at its own length, so nothing is padded to the
-longest task; TASK_WEIGHTS scales a task's micro-batch and share), so each
+longest task; the recipe's task phases scale a task's micro-batch and share), so each
 update sees every task. Per sequence a ratio t ~ U(eps, 1) is drawn (eps =
 0.2, see RECIPE; stratified over the batch, which keeps each t uniform while
 lowering the variance), each answer token is masked with probability t, the
@@ -68,20 +68,41 @@ RECIPE = dict(steps=1500, batch=32, lr=3e-3, warmup=100, weight_decay=0.01, eps=
               eval_every=50)
 # The seed of each model's run (the recipe's default); see
 # dllm_ops/checkpoints/README.md for the runs tried.
-SEEDS = {"tiny-llada": 2, "tiny-dream": 0}
+SEEDS = {"tiny-llada": 2, "tiny-dream": 1}
 
 
 def recipe_of(name: str) -> dict:
     """The recipe of a model's run."""
-    return dict(RECIPE, seed=SEEDS[name])
+    return dict(RECIPE, seed=SEEDS[name], phases=PHASES[name])
 
 
-# Micro-batch multiplier per task (default 1). `scan` only pays off once the
-# model reads its left neighbour's running sum, a circuit that the training
-# signal (visible left neighbours only) builds slowly, so it gets twice the
-# samples; `sub`, learnt in a few hundred steps, gets half (its 94-token
-# sequences are the longest, and the time saved buys steps).
-TASK_WEIGHTS = {"scan": 2, "sub": 0.5}
+# Micro-batch multiplier per task (default 1; 0 leaves the task out), by phase:
+# (first step, weights). A task pays off once the model reads the committed
+# token of a neighbour, a circuit the training signal (visible neighbours
+# only) builds slowly; the task that needs it gets twice the samples. For
+# LLaDA (position j predicts token j) that is `scan` (y_j needs y_{j-1}), so
+# `scan` gets 2 and `sub`, learnt in a few hundred steps, ½ (its 94-token
+# sequences are the longest; the time saved buys steps). `lag2` needs the same
+# circuit two tokens back; LLaDA did not form both when they were trained
+# together from the start (seeds 2, 3, 4 stayed on their plateaus), so `lag2`
+# joins at step 750, once `scan` has the circuit, taking half of `scan`'s
+# samples: before that step the run is the three-task run of the earlier
+# checkpoints, step for step. For Dream (position j-1 predicts token j and
+# holds y_{j-1} itself) `scan` needs no neighbour and `lag2` (y_{j-2}, one
+# position back from j-1) is the task that builds the circuit: `lag2` gets 2
+# and `scan` 1 from the start (checkpoints/README.md has the runs).
+PHASES = {
+    "tiny-llada": [[0, {"scan": 2, "sub": 0.5, "lag2": 0}], [750, {"scan": 1, "sub": 0.5, "lag2": 1}]],
+    "tiny-dream": [[0, {"scan": 1, "sub": 0.5, "lag2": 2}]],
+}
+
+
+def task_weights(phases, step: int, names) -> dict[str, float]:
+    """The micro-batch multiplier of each task trained at `step` (weight > 0)."""
+    phase = [w for first, w in phases if first <= step][-1]
+    return {t: phase.get(t, 1) for t in names if phase.get(t, 1) > 0}
+
+
 # How far python_tests/test_tiny_models.py re-runs the recorded training.
 REPRO_STEPS = 100
 
@@ -237,17 +258,17 @@ def _train(preset: dict, recipe: dict, out: str | None, threads: int, log_every:
     rng = random.Random(recipe["seed"])
     gen = torch.Generator().manual_seed(recipe["seed"])
     names = tasks or list(TASKS)
-    weights = {t: TASK_WEIGHTS.get(t, 1) for t in names}
-    total_w = sum(weights.values())
     held = heldout_batches(recipe["seed"])
     log = dict(preset=preset, recipe=recipe, torch=torch.__version__, threads=threads,
-               task_weights=weights, train=[], heldout=[],
+               train=[], heldout=[],
                heldout_initial=heldout_loss(model, held)["all"])
     t0, c0 = time.perf_counter(), time.process_time()
     run = 0.0
     for s in range(steps if stop_after is None else min(steps, stop_after)):
         opt.zero_grad(set_to_none=True)
         loss = 0.0
+        weights = task_weights(recipe["phases"], s, names)
+        total_w = sum(weights.values())
         for task, w in weights.items():  # one micro-batch per task, gradients accumulated
             batch = [sample(task, rng, "train") for _ in range(round(recipe["batch"] * w))]
             part = diffusion_loss(model, *masked_batch(batch, gen, recipe["eps"])) * w / total_w
@@ -295,6 +316,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(PRESETS), required=True)
     p.add_argument("--out", help=f"checkpoint folder (default {CKPT_DIR}/<model>; '-' for none)")
+    p.add_argument("--phases", type=json.loads, default=None,
+                   help='task phases as JSON, e.g. \'[[0, {"scan": 1, "lag2": 1}]]\' (default: the model\'s)')
     for k, v in RECIPE.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None if k == "seed" else v,
                        help="default: the model's shipped seed" if k == "seed" else None)
@@ -308,7 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override preset fields (experiments; the shipped runs use none)")
     a = p.parse_args(argv)
-    recipe = dict(recipe_of(a.model), **{k: getattr(a, k) for k in RECIPE if getattr(a, k) is not None})
+    recipe = dict(recipe_of(a.model), **{k: getattr(a, k) for k in list(RECIPE) + ["phases"]
+                                         if getattr(a, k) is not None})
     preset = dict(PRESETS[a.model])
     for kv in a.arch_set:
         k, v = kv.split("=")

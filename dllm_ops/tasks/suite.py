@@ -34,6 +34,7 @@ TASKS: dict[str, Task] = {t.name: t for t in [
     Task("add", generators.make_add, "multi-digit addition, least significant digit first", 16),
     Task("scan", generators.make_scan, "running sums mod 10", 16),
     Task("sub", generators.make_sub, "copy a digit list, substituting one digit", 48),
+    Task("lag2", generators.make_lag2, "running sums mod 10 with lag 2: y_j = x_j + y_(j-2)", 16),
 ]}
 
 
