@@ -109,9 +109,9 @@ void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t*
 }
 
 template <typename T>
-void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const float* imp, bool imp_per_head,
-                       uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx, T* prot_val,
-                       cpu::FaultBits& status) {
+void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const float* imp,
+                       bool imp_per_head, uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx,
+                       T* prot_val, cpu::FaultBits& status) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
   const int64_t d = s.d, rows_per_group = G / n;

@@ -122,7 +122,8 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
 // One dequantized V row (d values) into out: codes unpacked to one per byte,
 // then dequant_row with per-channel scale / min.
 template <typename T>
-void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn, T* out) {
+void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn,
+                   T* out) {
   const int G = static_cast<int>(s.G);
   float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim];
   uint8_t code[math::kQuantMaxHeadDim];
