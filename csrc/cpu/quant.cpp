@@ -8,9 +8,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>  // quant_kernels.h: SSSE3 byte shuffles in the AVX2 / AVX-512 copies
+#endif
 
 #include "aten/dispatch.h"
 #include "aten/quant_checks.h"
@@ -72,13 +77,13 @@ int select_protected(const float* imp, int n_real, int p, uint8_t* slot_of, int*
 
 // Per-channel stored scale/min of one group over the tokens with
 // slot_of[j] == kProtUnused (all tokens when slot_of is null); fills sf / mf
-// with the stored values widened to fp32.
+// with the stored values widened to fp32. The row loops run in the copy for
+// isa; the per-channel scale / min step is the generic code's.
 template <typename T>
-void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t* slot_of,
-                    T* scale_out, T* min_out, float* sf, float* mf, int& status) {
+void k_group_ranges(cpu::Isa isa, const QuantKShape& s, const T* x, int n_real,
+                    const uint8_t* slot_of, T* scale_out, T* min_out, float* sf, float* mf,
+                    int& status) {
   const int64_t d = s.d;
-  // Struct-of-arrays running min / max, and one loop per kind of token, so
-  // the channel loops vectorize.
   float lo[m::kQuantMaxHeadDim], hi[m::kQuantMaxHeadDim];
   std::fill_n(lo, d, INFINITY);
   std::fill_n(hi, d, -INFINITY);
@@ -86,14 +91,9 @@ void k_group_ranges(const QuantKShape& s, const T* x, int n_real, const uint8_t*
   for (int j = 0; j < n_real; ++j) {
     const T* row = x + j * d;
     if (slot_of == nullptr || slot_of[j] == m::kProtUnused) {
-      for (int64_t c = 0; c < d; ++c) {
-        const float v = widen(row[c]);
-        bad |= !m::is_finite(v);
-        lo[c] = v < lo[c] ? v : lo[c];
-        hi[c] = v > hi[c] ? v : hi[c];
-      }
+      DLLM_ISA_CALL(isa, range_row(row, lo, hi, d, &bad));
     } else {
-      for (int64_t c = 0; c < d; ++c) bad |= !m::is_finite(widen(row[c]));
+      DLLM_ISA_CALL(isa, nonfinite_row(row, d, &bad));
     }
   }
   if (bad) status |= m::kQuantNonFinite;
@@ -132,7 +132,7 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
       } else {
         std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
       }
-      k_group_ranges(s, x, n_real, slot_of, scale + u * d, mn + u * d, sf, mf, st);
+      k_group_ranges(isa, s, x, n_real, slot_of, scale + u * d, mn + u * d, sf, mf, st);
       uint8_t* out = codes + (bh * s.rows + g * rows_per_group) * d;
       std::fill_n(out, rows_per_group * d, uint8_t{0});
       for (int j = 0; j < n_real; ++j) {
@@ -238,7 +238,7 @@ at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, co
 }
 
 template <typename T>
-void k_quant_error_kernel(const QuantKShape& s, const T* k, float* err, cpu::FaultBits& status) {
+void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float* err, cpu::FaultBits& status) {
   const int G = static_cast<int>(s.G), bits = static_cast<int>(s.bits);
   const int64_t d = s.d;
   at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
@@ -248,7 +248,7 @@ void k_quant_error_kernel(const QuantKShape& s, const T* k, float* err, cpu::Fau
       const int64_t g = u % s.n_groups, bh = u / s.n_groups;
       const int n_real = m::group_tokens(s.T, G, g);
       const T* x = k + (bh * s.T + g * G) * d;
-      k_group_ranges<T>(s, x, n_real, nullptr, nullptr, nullptr, sf, mf, st);
+      k_group_ranges<T>(isa, s, x, n_real, nullptr, nullptr, nullptr, sf, mf, st);
       for (int j = 0; j < n_real; ++j) {
         float e = 0.f;
         for (int64_t c = 0; c < d; ++c) {
@@ -271,7 +271,7 @@ at::Tensor k_quant_error_cpu(const at::Tensor& k, int64_t bits, int64_t group) {
   cpu::FaultBits status;
   if (err.numel() > 0) {
     DLLM_DISPATCH_FLOATING_TYPES(k.scalar_type(), "dllm::k_quant_error", [&] {
-      k_quant_error_kernel<scalar_t>(s, kc.const_data_ptr<scalar_t>(),
+      k_quant_error_kernel<scalar_t>(cpu::active_isa(op), s, kc.const_data_ptr<scalar_t>(),
                                      err.mutable_data_ptr<float>(), status);
     });
   }

@@ -36,6 +36,43 @@ DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
     out[c] = static_cast<uint8_t>(math::quant_code(E::load(x[c]), sf[c], mf[c], bits));
 }
 
+// One K token row folded into the per-channel running min / max lo, hi [d]
+// (the tie and NaN rule of the generic loop: v replaces lo[c] only when
+// v < lo[c]). Sets *bad when the row holds a NaN or an infinity.
+template <typename T>
+DLLM_CPU_NOINLINE void range_row(const T* row_, float* __restrict__ lo, float* __restrict__ hi,
+                                 int64_t d, int* bad_out) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ row = reinterpret_cast<const typename E::Bits*>(row_);
+  int bad = 0;
+  for (int64_t c = 0; c < d; ++c) {
+    const float v = E::load(row[c]);
+    bad |= !math::is_finite(v);
+    lo[c] = v < lo[c] ? v : lo[c];
+    hi[c] = v > hi[c] ? v : hi[c];
+  }
+  if (bad) *bad_out = 1;
+}
+
+// Sets *bad when the row holds a NaN or an infinity (a protected K token,
+// which takes no part in its group's range).
+template <typename T>
+DLLM_CPU_NOINLINE void nonfinite_row(const T* row_, int64_t d, int* bad_out) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ row = reinterpret_cast<const typename E::Bits*>(row_);
+  int bad = 0;
+  for (int64_t c = 0; c < d; ++c) bad |= !math::is_finite(E::load(row[c]));
+  if (bad) *bad_out = 1;
+}
+
+// A row widened to fp32.
+template <typename T>
+DLLM_CPU_NOINLINE void widen_row(const T* x_, float* __restrict__ out, int64_t d) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ x = reinterpret_cast<const typename E::Bits*>(x_);
+  for (int64_t c = 0; c < d; ++c) out[c] = E::load(x[c]);
+}
+
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
 // per-element stored scale / min sf[c], mf[c], rounded to T. Two plain loops
 // that GCC vectorizes, the products stored in between: the empty asm, which
@@ -54,18 +91,6 @@ DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float
   for (int64_t c = 0; c < d; ++c) o[c] = E::store(prod[c] + mf[c]);
 }
 
-// The codes of a packed V row, one per byte: byte rb holds the codes of
-// channels rb * n .. rb * n + n - 1, lowest bits first (n = 8 / kBits).
-template <int kBits>
-DLLM_CPU_NOINLINE void unpack_codes(const uint8_t* __restrict__ packed, int64_t n_bytes,
-                                    uint8_t* __restrict__ code) {
-  constexpr int n = 8 / kBits;
-  constexpr uint32_t mask = (1u << kBits) - 1;
-  for (int64_t rb = 0; rb < n_bytes; ++rb)
-    for (int j = 0; j < n; ++j)
-      code[rb * n + j] = static_cast<uint8_t>((packed[rb] >> (kBits * j)) & mask);
-}
-
 // The inverse: codes (one per byte) packed n to a byte.
 template <int kBits>
 DLLM_CPU_NOINLINE void pack_codes(const uint8_t* __restrict__ code, int64_t n_bytes,
@@ -80,30 +105,39 @@ DLLM_CPU_NOINLINE void pack_codes(const uint8_t* __restrict__ code, int64_t n_by
 
 // ---- V rows: one token's d channels, groups of G channels ----------------------
 
+// Eight fp32 lanes: the running min / max of a V group, lane l over its
+// channels l, l + 8, ... (G is a multiple of 8). One GCC vector type in every
+// copy (two SSE registers in the generic one), so the lanes, and the order
+// they are merged in, are the same everywhere.
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef int32_t Lanes8i __attribute__((vector_size(32)));
+
 // Quantizes one V row: each group's stored scale / min (rounded to T), then the
 // codes, packed n to a byte. st collects the math::QuantStatus bits.
 template <typename T>
 void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale, T* mn, int& st) {
-  using E = cpu::Elem<T>;
-  const auto* x = reinterpret_cast<const typename E::Bits*>(x_);
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int64_t d = s.d;
+  float xf[math::kQuantMaxHeadDim];
   float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim];  // per channel
   uint8_t code[math::kQuantMaxHeadDim];
+  widen_row(x_, xf, d);
+  const Lanes8 zero = Lanes8{}, inf = zero + INFINITY, fmax = zero + FLT_MAX;
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-    const auto* xg = x + grp * G;
-    // Eight running lanes (G is a multiple of 8), so the loop vectorizes.
-    float lo[8], hi[8];
-    int bad = 0;
-    for (int l = 0; l < 8; ++l) lo[l] = INFINITY, hi[l] = -INFINITY;
-    for (int c0 = 0; c0 < G; c0 += 8)
-      for (int l = 0; l < 8; ++l) {
-        const float v = E::load(xg[c0 + l]);
-        bad |= !math::is_finite(v);
-        lo[l] = v < lo[l] ? v : lo[l];
-        hi[l] = v > hi[l] ? v : hi[l];
-      }
-    if (bad) st |= math::kQuantNonFinite;
+    const float* xg = xf + grp * G;
+    Lanes8 lo = inf, hi = -inf;
+    Lanes8i bad = Lanes8i{};
+    for (int c0 = 0; c0 < G; c0 += 8) {
+      Lanes8 v;
+      std::memcpy(&v, xg + c0, sizeof(v));
+      const Lanes8 a = v < zero ? -v : v;
+      bad |= ~(a <= fmax);  // not math::is_finite, per lane
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    int any_bad = 0;
+    for (int l = 0; l < 8; ++l) any_bad |= bad[l];
+    if (any_bad) st |= math::kQuantNonFinite;
     math::QuantRange r = math::range_empty();
     for (int l = 0; l < 8; ++l) r = math::range_merge(r, math::QuantRange{lo[l], hi[l]});
     const T sT = narrow<T>(math::range_scale(r, bits)), mT = narrow<T>(math::range_min(r));
@@ -119,6 +153,52 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
     pack_codes<2>(code, s.row_bytes, codes);
 }
 
+// The AVX2 and AVX-512 copies unpack codes with SSSE3 byte operations
+// (x86-64-v3 / v4 include SSSE3; GCC does not define __SSSE3__ for a
+// `#pragma GCC target` region); GCC leaves the plain loop scalar.
+#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 8
+#define DLLM_QUANT_SHUFFLE 1
+#else
+#define DLLM_QUANT_SHUFFLE 0
+#endif
+
+#if DLLM_QUANT_SHUFFLE
+// The 16 codes of a packed V row's channels c0 .. c0 + 15 (c0 a multiple of
+// 16), one a byte, lowest bits first within each packed byte.
+template <int kBits>
+inline __m128i v_codes16(const uint8_t* packed, int64_t c0) {
+  if constexpr (kBits == 4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + c0 / 2));
+    const __m128i nib = _mm_set1_epi8(0x0f);
+    return _mm_unpacklo_epi8(_mm_and_si128(b, nib), _mm_and_si128(_mm_srli_epi16(b, 4), nib));
+  } else {
+    int32_t word;
+    std::memcpy(&word, packed + c0 / 4, sizeof(word));
+    const __m128i b = _mm_cvtsi32_si128(word), two = _mm_set1_epi8(0x03);
+    const __m128i c01 = _mm_unpacklo_epi8(_mm_and_si128(b, two),
+                                          _mm_and_si128(_mm_srli_epi16(b, 2), two));
+    const __m128i c23 = _mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), two),
+                                          _mm_and_si128(_mm_srli_epi16(b, 6), two));
+    return _mm_unpacklo_epi16(c01, c23);
+  }
+}
+#endif
+
+// The d codes of a packed V row, one per byte: byte rb holds the codes of
+// channels rb * n .. rb * n + n - 1, lowest bits first (n = 8 / kBits).
+template <int kBits>
+DLLM_CPU_NOINLINE void unpack_codes(const uint8_t* __restrict__ packed, int64_t d,
+                                    uint8_t* __restrict__ code) {
+  constexpr int n = 8 / kBits;
+  constexpr uint32_t mask = (1u << kBits) - 1;
+  int64_t c = 0;
+#if DLLM_QUANT_SHUFFLE
+  for (; c + 16 <= d; c += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(code + c), v_codes16<kBits>(packed, c));
+#endif
+  for (; c < d; ++c) code[c] = static_cast<uint8_t>((packed[c / n] >> (kBits * (c % n))) & mask);
+}
+
 // One dequantized V row (d values) into out: codes unpacked to one per byte,
 // then dequant_row with per-channel scale / min.
 template <typename T>
@@ -132,8 +212,9 @@ void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, c
     std::fill_n(mf + grp * G, G, widen(mn[grp]));
   }
   if (s.bits == 4)
-    unpack_codes<4>(codes, s.row_bytes, code);
+    unpack_codes<4>(codes, s.d, code);
   else
-    unpack_codes<2>(codes, s.row_bytes, code);
+    unpack_codes<2>(codes, s.d, code);
   dequant_row(code, sf, mf, out, s.d, 0, 0xffu);
 }
+#undef DLLM_QUANT_SHUFFLE
