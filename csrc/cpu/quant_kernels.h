@@ -73,11 +73,87 @@ DLLM_CPU_NOINLINE void widen_row(const T* x_, float* __restrict__ out, int64_t d
   for (int64_t c = 0; c < d; ++c) out[c] = E::load(x[c]);
 }
 
+// The AVX2 and AVX-512 copies unpack and widen codes with SSE4.1 / AVX2 /
+// AVX-512 intrinsics (x86-64-v3 / v4 include them; GCC does not define
+// __SSSE3__ and the like for a `#pragma GCC target` region), where GCC left
+// the plain loops scalar.
+#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 8
+#define DLLM_QUANT_SHUFFLE 1
+#else
+#define DLLM_QUANT_SHUFFLE 0
+#endif
+
+#if DLLM_QUANT_SHUFFLE
+// Sixteen values at a time, in GCC vector types (one register in the
+// AVX-512 copy, two in the AVX2 one); V rows only (dequant_v_row).
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+// Codes widened to int32. (Wide vectors pass by reference: GCC warns about
+// the ABI of 64-byte vector arguments in the AVX2 copy.)
+inline void widen_codes(const U8x16& c, I32x16& r) {
+  __m128i x;
+  std::memcpy(&x, &c, sizeof(x));
+#if DLLM_VEC_FLOATS >= 16
+  const __m512i w = _mm512_maskz_cvtepu8_epi32(0xffff, x);  // (GCC 12 warns on the unmasked form)
+  std::memcpy(&r, &w, sizeof(r));
+#else
+  const __m256i lo = _mm256_cvtepu8_epi32(x), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(x, 8));
+  std::memcpy(&r, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&r) + sizeof(lo), &hi, sizeof(hi));
+#endif
+}
+
+// Makes v a value GCC must treat as unknown (an empty asm on each of its
+// registers): what was computed into it is rounded, never fused onward.
+inline void opaque(F32x16& v) {
+  typedef float Reg __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+  Reg part[16 / DLLM_VEC_FLOATS];
+  std::memcpy(part, &v, sizeof(v));
+  for (auto& r : part) asm("" : "+v"(r));
+  std::memcpy(&v, part, sizeof(v));
+}
+
+// Sixteen dequantized values into o: code * s rounded, then + m rounded, then
+// rounded to T -- math::dequant_value's steps, each an IEEE fp32 operation;
+// the product passes through opaque, so no copy fuses it with the sum
+// into an FMA.
+template <typename T>
+inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
+                      typename cpu::Elem<T>::Bits* o) {
+  I32x16 ci;
+  widen_codes(code, ci);
+  F32x16 prod = __builtin_convertvector(ci, F32x16) * s;
+  opaque(prod);
+  const F32x16 v = prod + m;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(o, &v, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // cpu::bf16_bits_rne, per lane
+    U32x16 b;
+    std::memcpy(&b, &v, sizeof(b));
+    const U32x16 rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    const U32x16 quiet_nan = (b >> 16) | 0x40u;
+    const U32x16 r = (b & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+    const U16x16 h = __builtin_convertvector(r, U16x16);
+    std::memcpy(o, &h, sizeof(h));
+  } else {
+    float f[16];
+    std::memcpy(f, &v, sizeof(f));
+    for (int i = 0; i < 16; ++i) o[i] = cpu::Elem<T>::store(f[i]);
+  }
+}
+#endif  // DLLM_QUANT_SHUFFLE
+
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
 // per-element stored scale / min sf[c], mf[c], rounded to T. Two plain loops
 // that GCC vectorizes, the products stored in between: the empty asm, which
 // is given their address and clobbers memory, makes GCC load them back, so
-// no copy can fuse a product with its sum into an FMA.
+// no copy can fuse a product with its sum into an FMA. (For K rows this
+// measured faster than dequant16, whose byte shifts GCC emulates.)
 template <typename T>
 DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
                                    const float* __restrict__ mf, T* o_, int64_t d, int shift,
@@ -153,15 +229,6 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
     pack_codes<2>(code, s.row_bytes, codes);
 }
 
-// The AVX2 and AVX-512 copies unpack codes with SSSE3 byte operations
-// (x86-64-v3 / v4 include SSSE3; GCC does not define __SSSE3__ for a
-// `#pragma GCC target` region); GCC leaves the plain loop scalar.
-#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 8
-#define DLLM_QUANT_SHUFFLE 1
-#else
-#define DLLM_QUANT_SHUFFLE 0
-#endif
-
 #if DLLM_QUANT_SHUFFLE
 // The 16 codes of a packed V row's channels c0 .. c0 + 15 (c0 a multiple of
 // 16), one a byte, lowest bits first within each packed byte.
@@ -199,12 +266,29 @@ DLLM_CPU_NOINLINE void unpack_codes(const uint8_t* __restrict__ packed, int64_t 
   for (; c < d; ++c) code[c] = static_cast<uint8_t>((packed[c / n] >> (kBits * (c % n))) & mask);
 }
 
-// One dequantized V row (d values) into out: codes unpacked to one per byte,
-// then dequant_row with per-channel scale / min.
+// One dequantized V row (d values) into out. With the byte shuffles and
+// groups of 16 or more channels: 16 codes at a time straight into
+// dequant16 under the group's scale / min. Otherwise codes unpacked to one
+// per byte, then dequant_row with per-channel scale / min.
 template <typename T>
 void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn,
                    T* out) {
   const int G = static_cast<int>(s.G);
+#if DLLM_QUANT_SHUFFLE
+  if (G >= 16) {  // G is a power of two: whole vectors of 16
+    auto* o = reinterpret_cast<typename cpu::Elem<T>::Bits*>(out);
+    for (int64_t grp = 0; grp < s.n_groups; ++grp) {
+      const F32x16 sv = F32x16{} + widen(scale[grp]), mv = F32x16{} + widen(mn[grp]);
+      for (int64_t c = grp * G; c < (grp + 1) * G; c += 16) {
+        const __m128i code = s.bits == 4 ? v_codes16<4>(codes, c) : v_codes16<2>(codes, c);
+        U8x16 cb;
+        std::memcpy(&cb, &code, sizeof(cb));
+        dequant16<T>(cb, sv, mv, o + c);
+      }
+    }
+    return;
+  }
+#endif
   float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim];
   uint8_t code[math::kQuantMaxHeadDim];
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
