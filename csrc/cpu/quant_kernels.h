@@ -149,22 +149,38 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
 #endif  // DLLM_QUANT_SHUFFLE
 
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
-// per-element stored scale / min sf[c], mf[c], rounded to T. Two plain loops
-// that GCC vectorizes, the products stored in between: the empty asm, which
-// is given their address and clobbers memory, makes GCC load them back, so
-// no copy can fuse a product with its sum into an FMA. (For K rows this
-// measured faster than dequant16, whose byte shifts GCC emulates.)
+// per-element stored scale / min sf[c], mf[c], rounded to T. With the byte
+// shuffles, whole vectors of 16 go through dequant16. The rest (all of the
+// row in the generic copy) runs as two plain loops that GCC vectorizes, the
+// products stored in between: the empty asm, which is given their address and
+// clobbers memory, makes GCC load them back, so no FMA there either.
 template <typename T>
 DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
                                    const float* __restrict__ mf, T* o_, int64_t d, int shift,
                                    uint32_t mask) {
   using E = cpu::Elem<T>;
   auto* __restrict__ o = reinterpret_cast<typename E::Bits*>(o_);
+  int64_t c0 = 0;
+#if DLLM_QUANT_SHUFFLE
+  const __m128i count = _mm_cvtsi32_si128(shift), m8 = _mm_set1_epi8(static_cast<char>(mask));
+  for (; c0 + 16 <= d; c0 += 16) {
+    // 16-bit lanes shift in the neighbour byte's low bits; the mask drops them.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + c0));
+    const __m128i code = _mm_and_si128(_mm_srl_epi16(b, count), m8);
+    U8x16 cb;
+    F32x16 sv, mv;
+    std::memcpy(&cb, &code, sizeof(cb));
+    std::memcpy(&sv, sf + c0, sizeof(sv));
+    std::memcpy(&mv, mf + c0, sizeof(mv));
+    dequant16<T>(cb, sv, mv, o + c0);
+  }
+#endif
   float prod[math::kQuantMaxHeadDim];
-  for (int64_t c = 0; c < d; ++c)
-    prod[c] = static_cast<float>(static_cast<int32_t>((crow[c] >> shift) & mask)) * sf[c];
+  const int64_t n = d - c0;
+  for (int64_t c = 0; c < n; ++c)
+    prod[c] = static_cast<float>(static_cast<int32_t>((crow[c0 + c] >> shift) & mask)) * sf[c0 + c];
   asm volatile("" : : "r"(prod) : "memory");
-  for (int64_t c = 0; c < d; ++c) o[c] = E::store(prod[c] + mf[c]);
+  for (int64_t c = 0; c < n; ++c) o[c0 + c] = E::store(prod[c] + mf[c0 + c]);
 }
 
 // The inverse: codes (one per byte) packed n to a byte.
