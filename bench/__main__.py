@@ -5,9 +5,12 @@
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
-bandwidth (also measured in this run) and the baseline-time / kernel-time
-speed-up. On the CPU it also reports the instruction set the kernels run
-(csrc/cpu/isa.h; DLLM_CPU_ISA=generic|avx2|avx512 caps it).
+bandwidth (also measured in this run: a 256 MB copy, so DRAM), the same rate
+as a % of a copy that moves the case's own byte count (%copy@size: on a CPU
+whose last-level cache holds the case, the yardstick of the cache the op
+actually streams from) and the baseline-time / kernel-time speed-up. On the
+CPU it also reports the instruction set the kernels run (csrc/cpu/isa.h;
+DLLM_CPU_ISA=generic|avx2|avx512 caps it).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
 
 def _fmt_row(r):
     return (f"{r['op']:<18} {r['shape']:<22} {r['dtype']:<9} {r['impl']:<12} "
-            f"{r['median_us']:>11.1f} {r['GB/s']:>8.2f} {r['%copy']:>7.1f} {r['speedup']:>8.2f}")
+            f"{r['median_us']:>11.1f} {r['GB/s']:>8.2f} {r['%copy']:>7.1f} {r['%copy@size']:>11.1f} "
+            f"{r['speedup']:>8.2f}")
 
 
 def cpu_isa() -> tuple[str, str]:
@@ -58,27 +62,34 @@ def cmd_ops(args) -> int:
     print(f"device={device} threads={torch.get_num_threads()}{isa} "
           f"copy bandwidth={copy_bw / 1e9:.2f} GB/s")
     header = (f"{'op':<18} {'shape':<22} {'dtype':<9} {'impl':<12} {'median_us':>11} "
-              f"{'GB/s':>8} {'%copy':>7} {'speedup':>8}")
+              f"{'GB/s':>8} {'%copy':>7} {'%copy@size':>11} {'speedup':>8}")
     print(header)
     print("-" * len(header))
     rows = []
+    copy_at: dict[int, float] = {}  # bytes moved -> copy rate at that size
     for case in cases:
         dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else case.dtypes
         for dtype in dtypes:
             inputs = case.make(device, dtype)
             nbytes = case.nbytes(inputs)
+            if nbytes > 0 and nbytes not in copy_at:  # a copy of n bytes moves 2n
+                copy_at[nbytes] = copy_bandwidth(device, max(1, nbytes // 2))
+            size_bw = copy_at.get(nbytes, 0.0)
             t_kernel = median_seconds(lambda: case.run(*inputs), device)
             impls = [("dllm", t_kernel)] + [
                 (name, median_seconds(lambda f=f: f(*inputs), device)) for name, f in case.baselines.items()]
             for impl, t in impls:
                 r = dict(op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""),
                          impl=impl, median_us=t * 1e6, **{"GB/s": nbytes / t / 1e9},
-                         **{"%copy": 100 * nbytes / t / copy_bw}, speedup=t / t_kernel,
-                         device=str(device), copy_GBps=copy_bw / 1e9, cpu_isa=isa.strip())
+                         **{"%copy": 100 * nbytes / t / copy_bw},
+                         **{"%copy@size": 100 * nbytes / t / size_bw if size_bw else 0.0},
+                         speedup=t / t_kernel, device=str(device), copy_GBps=copy_bw / 1e9,
+                         copy_at_size_GBps=size_bw / 1e9, cpu_isa=isa.strip())
                 rows.append(r)
                 print(_fmt_row(r), flush=True)
     print("speedup = impl time / dllm time (>1 means the baseline is slower); "
-          "GB/s counts the bytes the op must read and write.")
+          "GB/s counts the bytes the op must read and write; %copy@size compares it "
+          "with a copy moving as many bytes (measured in this run).")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))

@@ -34,7 +34,9 @@ def median_seconds(fn: Callable[[], object], device: torch.device, min_run_time:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
-    """Bytes/s of a large device-to-same-device copy (read + write counted)."""
+    """Bytes/s of a device-to-same-device copy of nbytes (read + write
+    counted). The default size is past any cache (DRAM bandwidth); a size
+    that fits a cache measures that cache's copy rate."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     t = median_seconds(lambda: dst.copy_(src), device)

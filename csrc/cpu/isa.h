@@ -26,11 +26,11 @@
 //   sparse_kv: RoPE rows and the softmax / transpose loops of sparse_attention
 //     (tolerance tests);
 //   quant: the quantize / dequantize rows, bit-exact against their oracle in
-//     every copy: quantizing has nothing to contract, and dequant_row passes
+//     every copy: quantizing has nothing to contract, and dequantizing passes
 //     the product through an empty asm statement before adding the min
 //     (quant_kernels.h explains).
 // Compiled once, for the baseline: the rollout sums (their multiply-adds
-// would contract) and quant's per-group range and error loops.
+// would contract), quant's per-group scale / min step and its K error loop.
 //
 // Kernels header rules: inline or template functions only (each copy is its
 // own set of definitions); types shared with the generic code are declared

@@ -15,7 +15,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
-#include <immintrin.h>  // quant_kernels.h: SSSE3 byte shuffles in the AVX2 / AVX-512 copies
+#include <immintrin.h>  // quant_kernels.h: intrinsics of the AVX2 / AVX-512 copies
 #endif
 
 #include "aten/dispatch.h"
@@ -239,7 +239,8 @@ at::Tensor dequantize_k_cpu(const at::Tensor& codes, const at::Tensor& scale, co
 }
 
 template <typename T>
-void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float* err, cpu::FaultBits& status) {
+void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float* err,
+                          cpu::FaultBits& status) {
   const int G = static_cast<int>(s.G), bits = static_cast<int>(s.bits);
   const int64_t d = s.d;
   at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {

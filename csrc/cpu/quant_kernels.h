@@ -7,11 +7,14 @@
 // - dequantization rounds the product code * scale, then the sum with the
 //   min, one at a time (math::dequant_value). With FMA, GCC fuses such a pair
 //   (it even turns dequant_value's double-precision steps back into fp32
-//   ones), so dequant_row stores the products and loads them back across
-//   an empty asm statement GCC cannot see through before adding.
-// Loads and stores of the cache dtype go through cpu::Elem (cpu/elem.h). The
-// loops are DLLM_CPU_NOINLINE: inlined into a generic caller, GCC loses their
-// restrict guarantees and keeps them scalar.
+//   ones), so the products pass an empty asm statement GCC cannot see
+//   through before the add (dequant16 on registers, dequant_row's tail
+//   through memory).
+// Loads and stores of the cache dtype go through cpu::Elem (cpu/elem.h), and
+// through SSE / AVX2 / AVX-512 intrinsics where GCC left a loop scalar (code
+// unpacking and widening). The row functions are DLLM_CPU_NOINLINE: inlined
+// into a generic caller, GCC loses their restrict guarantees and keeps them
+// scalar.
 
 // Codes of one token row OR-ed into its byte row at bit `shift`, under the
 // per-channel stored scale / min sf[c], mf[c].
@@ -85,7 +88,7 @@ DLLM_CPU_NOINLINE void widen_row(const T* x_, float* __restrict__ out, int64_t d
 
 #if DLLM_QUANT_SHUFFLE
 // Sixteen values at a time, in GCC vector types (one register in the
-// AVX-512 copy, two in the AVX2 one); V rows only (dequant_v_row).
+// AVX-512 copy, two in the AVX2 one): the dequantized K and V rows.
 typedef float F32x16 __attribute__((vector_size(64)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
