@@ -207,6 +207,24 @@ DLLM_CPU_NOINLINE void pack_codes(const uint8_t* __restrict__ code, int64_t n_by
 typedef float Lanes8 __attribute__((vector_size(32)));
 typedef int32_t Lanes8i __attribute__((vector_size(32)));
 
+// The range of a group from its lanes' running min / max: what merging the
+// lanes in order with math::range_merge gives, as a 3-level tree. Merging in
+// order keeps, among equal values (+0 / -0), the first seen; so does a tree
+// whose every step keeps its left operand on a tie. (A lane's lo and hi hold
+// the same bits whenever they are equal, and lo <= hi, so the min comes from
+// the lo lanes and the max from the hi lanes.)
+inline math::QuantRange merge_lanes(Lanes8 lo, Lanes8 hi) {
+  const Lanes8i pairs = {1, 0, 3, 2, 5, 4, 7, 6}, quads = {2, 3, 0, 1, 6, 7, 4, 5},
+                halves = {4, 5, 6, 7, 0, 1, 2, 3};
+  for (const Lanes8i& partner : {pairs, quads, halves}) {
+    // lane 0 (and the lanes feeding it) pair with a partner on their right
+    const Lanes8 plo = __builtin_shuffle(lo, partner), phi = __builtin_shuffle(hi, partner);
+    lo = plo < lo ? plo : lo;
+    hi = phi > hi ? phi : hi;
+  }
+  return math::QuantRange{lo[0], hi[0]};
+}
+
 // Quantizes one V row: each group's stored scale / min (rounded to T), then the
 // codes, packed n to a byte. st collects the math::QuantStatus bits.
 template <typename T>
@@ -233,8 +251,7 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
     int any_bad = 0;
     for (int l = 0; l < 8; ++l) any_bad |= bad[l];
     if (any_bad) st |= math::kQuantNonFinite;
-    math::QuantRange r = math::range_empty();
-    for (int l = 0; l < 8; ++l) r = math::range_merge(r, math::QuantRange{lo[l], hi[l]});
+    const math::QuantRange r = merge_lanes(lo, hi);
     const T sT = narrow<T>(math::range_scale(r, bits)), mT = narrow<T>(math::range_min(r));
     scale[grp] = sT, mn[grp] = mT;
     if (!math::is_finite(widen(sT))) st |= math::kQuantRangeOverflow;
