@@ -213,7 +213,10 @@ typedef int32_t Lanes8i __attribute__((vector_size(32)));
 // whose every step keeps its left operand on a tie. (A lane's lo and hi hold
 // the same bits whenever they are equal, and lo <= hi, so the min comes from
 // the lo lanes and the max from the hi lanes.)
-inline math::QuantRange merge_lanes(Lanes8 lo, Lanes8 hi) {
+// (Lanes pass by reference: GCC warns about the ABI of 32-byte vector
+// arguments in the generic copy.)
+inline math::QuantRange merge_lanes(const Lanes8& lo_in, const Lanes8& hi_in) {
+  Lanes8 lo = lo_in, hi = hi_in;
   const Lanes8i pairs = {1, 0, 3, 2, 5, 4, 7, 6}, quads = {2, 3, 0, 1, 6, 7, 4, 5},
                 halves = {4, 5, 6, 7, 0, 1, 2, 3};
   for (const Lanes8i& partner : {pairs, quads, halves}) {
