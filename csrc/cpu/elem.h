@@ -16,12 +16,22 @@
 namespace dllm {
 namespace cpu {
 
-// fp32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+// fp32 bits b -> bf16 bits in the low 16 bits of r, round to nearest even;
+// NaN stays a (quiet) NaN. U is uint32_t or a GCC vector of them, so vector
+// loops round exactly as the scalar store does (by reference: GCC warns about
+// the ABI of wide vector arguments and results).
+template <typename U>
+static inline __attribute__((always_inline)) void bf16_round_bits(const U& b, U& r) {
+  const U rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  r = (b & 0x7fffffffu) > 0x7f800000u ? ((b >> 16) | 0x40u) : rounded;
+}
+
+// fp32 -> bf16 bits, as bf16_round_bits.
 static inline __attribute__((always_inline)) uint16_t bf16_bits_rne(float f) {
-  uint32_t b;
+  uint32_t b, r;
   std::memcpy(&b, &f, sizeof(b));
-  const uint16_t rounded = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-  return (b & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((b >> 16) | 0x40u) : rounded;
+  bf16_round_bits(b, r);
+  return static_cast<uint16_t>(r);
 }
 
 static inline __attribute__((always_inline)) float bf16_bits_to_float(uint16_t h) {

@@ -135,12 +135,9 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(o, &v, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // cpu::bf16_bits_rne, per lane
-    U32x16 b;
+    U32x16 b, r;
     std::memcpy(&b, &v, sizeof(b));
-    const U32x16 rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-    const U32x16 quiet_nan = (b >> 16) | 0x40u;
-    const U32x16 r = (b & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+    cpu::bf16_round_bits(b, r);
     const U16x16 h = __builtin_convertvector(r, U16x16);
     std::memcpy(o, &h, sizeof(h));
   } else {
