@@ -78,8 +78,8 @@ int select_protected(const float* imp, int n_real, int p, uint8_t* slot_of, int*
 
 // Per-channel stored scale/min of one group over the tokens with
 // slot_of[j] == kProtUnused (all tokens when slot_of is null); fills sf / mf
-// with the stored values widened to fp32. The row loops run in the copy for
-// isa; the per-channel scale / min step is the generic code's.
+// with the stored values widened to fp32 (and scale_out / min_out, when
+// given, with the stored values). The row loops run in the copy for isa.
 template <typename T>
 void k_group_ranges(cpu::Isa isa, const QuantKShape& s, const T* x, int n_real,
                     const uint8_t* slot_of, T* scale_out, T* min_out, float* sf, float* mf,
@@ -98,15 +98,12 @@ void k_group_ranges(cpu::Isa isa, const QuantKShape& s, const T* x, int n_real,
     }
   }
   if (bad) status |= m::kQuantNonFinite;
-  for (int64_t c = 0; c < d; ++c) {
-    const m::QuantRange r{lo[c], hi[c]};
-    const T st = narrow<T>(m::range_scale(r, static_cast<int>(s.bits)));
-    const T mt = narrow<T>(m::range_min(r));
-    if (scale_out) scale_out[c] = st, min_out[c] = mt;
-    sf[c] = widen(st);
-    mf[c] = widen(mt);
-    if (!m::is_finite(sf[c])) status |= m::kQuantRangeOverflow;
-  }
+  T scale_buf[m::kQuantMaxHeadDim], min_buf[m::kQuantMaxHeadDim];
+  int overflow = 0;
+  DLLM_ISA_CALL(isa, scale_min_row(lo, hi, d, static_cast<int>(s.bits),
+                                   scale_out ? scale_out : scale_buf, min_out ? min_out : min_buf,
+                                   sf, mf, &overflow));
+  if (overflow) status |= m::kQuantRangeOverflow;
 }
 
 template <typename T>

@@ -3,7 +3,7 @@
 // bits of the oracle, which the tests check exactly:
 // - quantization is a subtraction, a division and the add / subtract pair of
 //   math::round_half_even_small: nothing an FMA could contract, so these are
-//   plain loops GCC vectorizes;
+//   plain loops GCC vectorizes (V rows' codes: AVX2 intrinsics, below);
 // - dequantization rounds the product code * scale, then the sum with the
 //   min, one at a time (math::dequant_value). With FMA, GCC fuses such a pair
 //   (it even turns dequant_value's double-precision steps back into fp32
@@ -66,6 +66,43 @@ DLLM_CPU_NOINLINE void nonfinite_row(const T* row_, int64_t d, int* bad_out) {
   int bad = 0;
   for (int64_t c = 0; c < d; ++c) bad |= !math::is_finite(E::load(row[c]));
   if (bad) *bad_out = 1;
+}
+
+// x with its bits AND-ed with m (all ones or zero): a select GCC vectorizes.
+inline float and_bits(float x, uint32_t m) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  b &= m;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+}
+
+// The stored scales and mins of n ranges lo[i] .. hi[i] (a K group's
+// channels, a V row's groups): math::range_scale / range_min rounded to T
+// (into scale_out / min_out) and widened back into sf / mf. An empty range
+// (lo > hi) gives +0 for both, selected by a bit mask after computing the
+// quotient for every range: with a float select GCC moves the division under
+// a branch and the loop stays scalar. Sets *overflow when a stored scale is
+// not finite.
+template <typename T>
+DLLM_CPU_NOINLINE void scale_min_row(const float* __restrict__ lo, const float* __restrict__ hi,
+                                     int64_t n, int bits, T* scale_out_, T* min_out_,
+                                     float* __restrict__ sf, float* __restrict__ mf,
+                                     int* overflow) {
+  using E = cpu::Elem<T>;
+  auto* __restrict__ so = reinterpret_cast<typename E::Bits*>(scale_out_);
+  auto* __restrict__ mo = reinterpret_cast<typename E::Bits*>(min_out_);
+  const float levels = static_cast<float>(math::quant_levels(bits));
+  int bad = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t keep = 0u - static_cast<uint32_t>(lo[c] <= hi[c]);
+    const auto sb = E::store(and_bits((hi[c] - lo[c]) / levels, keep));
+    const auto mb = E::store(and_bits(lo[c], keep));
+    so[c] = sb, mo[c] = mb;
+    sf[c] = E::load(sb), mf[c] = E::load(mb);
+    bad |= !math::is_finite(sf[c]);
+  }
+  if (bad) *overflow = 1;
 }
 
 // A row widened to fp32.
@@ -225,14 +262,58 @@ inline math::QuantRange merge_lanes(const Lanes8& lo_in, const Lanes8& hi_in) {
   return math::QuantRange{lo[0], hi[0]};
 }
 
+#if DLLM_QUANT_SHUFFLE
+// math::quant_code of 16 values x under one group's stored scale / min, as 16
+// code bytes: the same IEEE operations (subtract, divide, the round-half-even
+// add / subtract pair), then the clamps as max / min, which return their
+// second operand when unordered or equal, so a NaN quotient becomes 0 as
+// quant_code's selects make it. AVX2 intrinsics on 8 lanes (GCC scalarizes
+// the selects and the narrowing of a 16-lane generic vector in the AVX2 copy).
+inline __m128i quant_codes16(const float* x, float sc, float mn, float top) {
+  const __m256 s = _mm256_set1_ps(sc), m = _mm256_set1_ps(mn), t = _mm256_set1_ps(top);
+  const __m256 magic = _mm256_set1_ps(math::kRoundMagic), zero = _mm256_setzero_ps();
+  __m128i half[2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 v = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + 8 * h), m), s);
+    v = _mm256_sub_ps(_mm256_add_ps(v, magic), magic);
+    v = _mm256_min_ps(_mm256_max_ps(v, zero), t);
+    const __m256i q = _mm256_cvttps_epi32(v);
+    half[h] = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  }
+  return sc > 0.f ? _mm_packus_epi16(half[0], half[1]) : _mm_setzero_si128();
+}
+
+// 16 codes (one a byte, each < 2^kBits) packed as pack_codes does, into
+// 16 * kBits / 8 bytes at out: byte-pair (4-bit) or byte-quad (2-bit) sums
+// of codes times their slot's power of two, then narrowed.
+template <int kBits>
+inline void pack_codes16(__m128i code, uint8_t* out) {
+  if constexpr (kBits == 4) {
+    const __m128i pairs = _mm_maddubs_epi16(code, _mm_set1_epi16(0x1001));  // c0 + 16 c1
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
+  } else {
+    const __m128i pairs = _mm_maddubs_epi16(code, _mm_set1_epi16(0x0401));  // c0 + 4 c1
+    const __m128i quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
+    const __m128i w16 = _mm_packus_epi32(quads, quads);
+    const int32_t word = _mm_cvtsi128_si32(_mm_packus_epi16(w16, w16));
+    std::memcpy(out, &word, sizeof(word));
+  }
+}
+#endif
+
 // Quantizes one V row: each group's stored scale / min (rounded to T), then the
-// codes, packed n to a byte. st collects the math::QuantStatus bits.
+// codes, packed n to a byte. st collects the math::QuantStatus bits. With the
+// byte shuffles and groups of 16 or more channels, the codes are computed and
+// packed 16 at a time under their group's scale / min; otherwise the scale /
+// min are spread per channel for codes_row and pack_codes.
 template <typename T>
 void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale, T* mn, int& st) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int64_t d = s.d;
   float xf[math::kQuantMaxHeadDim];
   float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim];  // per channel
+  float glo[math::kQuantMaxHeadDim / 8] = {}, ghi[math::kQuantMaxHeadDim / 8] = {};  // per group
+  float sg[math::kQuantMaxHeadDim / 8], mg[math::kQuantMaxHeadDim / 8];
   uint8_t code[math::kQuantMaxHeadDim];
   widen_row(x_, xf, d);
   const Lanes8 zero = Lanes8{}, inf = zero + INFINITY, fmax = zero + FLT_MAX;
@@ -252,11 +333,27 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
     for (int l = 0; l < 8; ++l) any_bad |= bad[l];
     if (any_bad) st |= math::kQuantNonFinite;
     const math::QuantRange r = merge_lanes(lo, hi);
-    const T sT = narrow<T>(math::range_scale(r, bits)), mT = narrow<T>(math::range_min(r));
-    scale[grp] = sT, mn[grp] = mT;
-    if (!math::is_finite(widen(sT))) st |= math::kQuantRangeOverflow;
-    std::fill_n(sf + grp * G, G, widen(sT));
-    std::fill_n(mf + grp * G, G, widen(mT));
+    glo[grp] = r.mn, ghi[grp] = r.mx;
+  }
+  int overflow = 0;
+  scale_min_row(glo, ghi, s.n_groups, bits, scale, mn, sg, mg, &overflow);
+  if (overflow) st |= math::kQuantRangeOverflow;
+#if DLLM_QUANT_SHUFFLE
+  if (G >= 16) {  // G is a power of two: whole vectors of 16, independent of each other
+    const float top = static_cast<float>(math::quant_levels(bits));
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m128i c16 = quant_codes16(xf + c, sg[c / G], mg[c / G], top);
+      if (bits == 4)
+        pack_codes16<4>(c16, codes + c / 2);
+      else
+        pack_codes16<2>(c16, codes + c / 4);
+    }
+    return;
+  }
+#endif
+  for (int64_t grp = 0; grp < s.n_groups; ++grp) {
+    std::fill_n(sf + grp * G, G, sg[grp]);
+    std::fill_n(mf + grp * G, G, mg[grp]);
   }
   codes_row(x_, sf, mf, code, d, bits);
   if (bits == 4)
