@@ -267,9 +267,20 @@ inline math::QuantRange merge_lanes(const Lanes8& lo_in, const Lanes8& hi_in) {
 // code bytes: the same IEEE operations (subtract, divide, the round-half-even
 // add / subtract pair), then the clamps as max / min, which return their
 // second operand when unordered or equal, so a NaN quotient becomes 0 as
-// quant_code's selects make it. AVX2 intrinsics on 8 lanes (GCC scalarizes
-// the selects and the narrowing of a 16-lane generic vector in the AVX2 copy).
+// quant_code's selects make it. Intrinsics: one 16-lane register in the
+// AVX-512 copy, two 8-lane ones in the AVX2 copy (where GCC scalarizes the
+// selects and the narrowing of a 16-lane generic vector).
 inline __m128i quant_codes16(const float* x, float sc, float mn, float top) {
+#if DLLM_VEC_FLOATS >= 16
+  const __m512 s = _mm512_set1_ps(sc), m = _mm512_set1_ps(mn), t = _mm512_set1_ps(top);
+  const __m512 magic = _mm512_set1_ps(math::kRoundMagic), zero = _mm512_setzero_ps();
+  __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x), m), s);
+  v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic);
+  // (masked forms with every lane set: GCC 12 warns on the unmasked ones)
+  v = _mm512_maskz_min_ps(0xffff, _mm512_maskz_max_ps(0xffff, v, zero), t);
+  const __m128i code = _mm512_maskz_cvtepi32_epi8(0xffff, _mm512_maskz_cvttps_epi32(0xffff, v));
+  return sc > 0.f ? code : _mm_setzero_si128();
+#else
   const __m256 s = _mm256_set1_ps(sc), m = _mm256_set1_ps(mn), t = _mm256_set1_ps(top);
   const __m256 magic = _mm256_set1_ps(math::kRoundMagic), zero = _mm256_setzero_ps();
   __m128i half[2];
@@ -281,6 +292,7 @@ inline __m128i quant_codes16(const float* x, float sc, float mn, float top) {
     half[h] = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
   }
   return sc > 0.f ? _mm_packus_epi16(half[0], half[1]) : _mm_setzero_si128();
+#endif
 }
 
 // 16 codes (one a byte, each < 2^kBits) packed as pack_codes does, into
@@ -339,15 +351,16 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
   scale_min_row(glo, ghi, s.n_groups, bits, scale, mn, sg, mg, &overflow);
   if (overflow) st |= math::kQuantRangeOverflow;
 #if DLLM_QUANT_SHUFFLE
-  if (G >= 16) {  // G is a power of two: whole vectors of 16, independent of each other
+  if (G >= 16) {  // G is a power of two: whole vectors of 16
     const float top = static_cast<float>(math::quant_levels(bits));
-    for (int64_t c = 0; c < d; c += 16) {
-      const __m128i c16 = quant_codes16(xf + c, sg[c / G], mg[c / G], top);
-      if (bits == 4)
-        pack_codes16<4>(c16, codes + c / 2);
-      else
-        pack_codes16<2>(c16, codes + c / 4);
-    }
+    for (int64_t grp = 0; grp < s.n_groups; ++grp)
+      for (int64_t c = grp * G; c < (grp + 1) * G; c += 16) {
+        const __m128i c16 = quant_codes16(xf + c, sg[grp], mg[grp], top);
+        if (bits == 4)
+          pack_codes16<4>(c16, codes + c / 2);
+        else
+          pack_codes16<2>(c16, codes + c / 4);
+      }
     return;
   }
 #endif
