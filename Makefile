@@ -38,8 +38,8 @@ eval: build
 
 # ---- tests -------------------------------------------------------------------
 # `make test` (= .ci/run) leaves out the tests marked slow (the full re-training
-# of both tiny models, ~20 min on 2026-12-01; the calibration CLI end to end): `make test-slow`
-# runs them. README.md "Tests and CI time" has the measured budget.
+# of both tiny models, ~20 min on 2026-12-01; the calibration CLI end to end):
+# `make test-slow` runs them. README.md "Tests and CI time" has the measured budget.
 test: build
 	$(VPY) -m pytest python_tests -ra -m "not slow"
 	$(MAKE) ctest

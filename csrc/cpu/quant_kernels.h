@@ -3,7 +3,7 @@
 // bits of the oracle, which the tests check exactly:
 // - quantization is a subtraction, a division and the add / subtract pair of
 //   math::round_half_even_small: nothing an FMA could contract, so these are
-//   plain loops GCC vectorizes (V rows' codes: AVX2 intrinsics, below);
+//   plain loops GCC vectorizes (V rows' codes: AVX2 / AVX-512 intrinsics, below);
 // - dequantization rounds the product code * scale, then the sum with the
 //   min, one at a time (math::dequant_value). With FMA, GCC fuses such a pair
 //   (it even turns dequant_value's double-precision steps back into fp32
