@@ -35,18 +35,6 @@ inline float widen(T x) {
   return static_cast<float>(x);
 }
 
-template <typename T>
-inline T narrow(float x) {
-  return static_cast<T>(x);  // c10::Half / BFloat16: round to nearest even
-}
-
-// A dequantized cache element as the dequantized tensor holds it (rounded to
-// T), widened back to fp32.
-template <typename T>
-inline float dequant_as(uint32_t code, float scale, float mn) {
-  return widen(narrow<T>(m::dequant_value(code, scale, mn)));
-}
-
 // ---- row loops: quant_kernels.h, one copy per instruction set (cpu/isa.h) ----
 #define DLLM_ISA_KERNELS "cpu/quant_kernels.h"
 #include "cpu/isa.h"
@@ -243,19 +231,19 @@ void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float*
   at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     int st = 0;
     float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+    uint8_t code[m::kQuantMaxHeadDim];
+    T deq[m::kQuantMaxHeadDim];
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % s.n_groups, bh = u / s.n_groups;
       const int n_real = m::group_tokens(s.T, G, g);
       const T* x = k + (bh * s.T + g * G) * d;
       k_group_ranges<T>(isa, s, x, n_real, nullptr, nullptr, nullptr, sf, mf, st);
       for (int j = 0; j < n_real; ++j) {
-        float e = 0.f;
-        for (int64_t c = 0; c < d; ++c) {
-          const float v = widen(x[j * d + c]);
-          const float diff = v - dequant_as<T>(m::quant_code(v, sf[c], mf[c], bits), sf[c], mf[c]);
-          e += diff * diff;
-        }
-        err[bh * s.T + g * G + j] = e;
+        // the row's codes and dequantized values, as quantize_k / dequantize_k make them
+        const T* row = x + j * d;
+        DLLM_ISA_CALL(isa, codes_row(row, sf, mf, code, d, bits));
+        DLLM_ISA_CALL(isa, dequant_row(code, sf, mf, deq, d, 0, 0xffu));
+        DLLM_ISA_CALL(isa, sq_error_row(row, deq, d, err + bh * s.T + g * G + j));
       }
     }
     status.add(st);

@@ -220,6 +220,35 @@ DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float
   for (int64_t c = 0; c < n; ++c) o[c0 + c] = E::store(prod[c] + mf[c0 + c]);
 }
 
+// *out = the sum over c of (x[c] - y[c])^2 in fp32, x and y rows of T: the
+// squares are stored and passed through memory GCC cannot see (no FMA forms,
+// so every copy gives the same bits), then summed in 8 lanes (lane c % 8),
+// the lanes added in order, then the tail of d % 8.
+template <typename T>
+DLLM_CPU_NOINLINE void sq_error_row(const T* x_, const T* y_, int64_t d, float* out) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ x = reinterpret_cast<const typename E::Bits*>(x_);
+  const auto* __restrict__ y = reinterpret_cast<const typename E::Bits*>(y_);
+  float sq[math::kQuantMaxHeadDim];
+  for (int64_t c = 0; c < d; ++c) {
+    const float diff = E::load(x[c]) - E::load(y[c]);
+    sq[c] = diff * diff;
+  }
+  asm volatile("" : : "r"(sq) : "memory");
+  typedef float L8 __attribute__((vector_size(32)));
+  L8 acc = L8{};
+  const int64_t d8 = d / 8 * 8;
+  for (int64_t c = 0; c < d8; c += 8) {
+    L8 v;
+    std::memcpy(&v, sq + c, sizeof(v));
+    acc += v;
+  }
+  float e = 0.f;
+  for (int l = 0; l < 8; ++l) e += acc[l];
+  for (int64_t c = d8; c < d; ++c) e += sq[c];
+  *out = e;
+}
+
 // The inverse: codes (one per byte) packed n to a byte.
 template <int kBits>
 DLLM_CPU_NOINLINE void pack_codes(const uint8_t* __restrict__ code, int64_t n_bytes,
