@@ -338,6 +338,22 @@ def test_quant_cpu_narrow_isa(monkeypatch, isa):
             test_quantize_v_matches_reference("cpu", dtype, bits)
 
 
+def test_k_quant_error_cpu_same_bits_on_every_isa(monkeypatch):
+    """k_quant_error sums its squares in the same 8 lanes, with no FMA, in
+    every instruction-set copy (csrc/cpu/quant_kernels.h, sq_error_row): the
+    copies agree bit for bit (the importance that ranks protected tokens does
+    not depend on the CPU)."""
+    for dtype in DTYPES:
+        for k, _, G, label in k_inputs(dtype, seed=5):
+            for bits in BITS:
+                outs = {}
+                for isa in ("generic", "avx2", "avx512"):
+                    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+                    outs[isa] = dllm_ops.k_quant_error(k, bits, G)
+                for isa in ("avx2", "avx512"):
+                    assert torch.equal(outs[isa], outs["generic"]), f"{label} bits={bits} {isa}"
+
+
 # ---- quant_attention ------------------------------------------------------------------
 
 # (B, Q, H, H_kv, T, d, k_bits, v_bits, k_group, v_group, p): GQA ratios 1, 2
