@@ -220,6 +220,12 @@ DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float
   for (int64_t c = 0; c < n; ++c) o[c0 + c] = E::store(prod[c] + mf[c0 + c]);
 }
 
+// Eight fp32 lanes: one GCC vector type in every copy (two SSE registers in
+// the generic one), so the lanes, and the order they are combined in, are the
+// same everywhere.
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef int32_t Lanes8i __attribute__((vector_size(32)));
+
 // *out = the sum over c of (x[c] - y[c])^2 in fp32, x and y rows of T: the
 // squares are stored and passed through memory GCC cannot see (no FMA forms,
 // so every copy gives the same bits), then summed in 8 lanes (lane c % 8),
@@ -235,11 +241,10 @@ DLLM_CPU_NOINLINE void sq_error_row(const T* x_, const T* y_, int64_t d, float* 
     sq[c] = diff * diff;
   }
   asm volatile("" : : "r"(sq) : "memory");
-  typedef float L8 __attribute__((vector_size(32)));
-  L8 acc = L8{};
+  Lanes8 acc = Lanes8{};
   const int64_t d8 = d / 8 * 8;
   for (int64_t c = 0; c < d8; c += 8) {
-    L8 v;
+    Lanes8 v;
     std::memcpy(&v, sq + c, sizeof(v));
     acc += v;
   }
@@ -263,12 +268,8 @@ DLLM_CPU_NOINLINE void pack_codes(const uint8_t* __restrict__ code, int64_t n_by
 
 // ---- V rows: one token's d channels, groups of G channels ----------------------
 
-// Eight fp32 lanes: the running min / max of a V group, lane l over its
-// channels l, l + 8, ... (G is a multiple of 8). One GCC vector type in every
-// copy (two SSE registers in the generic one), so the lanes, and the order
-// they are merged in, are the same everywhere.
-typedef float Lanes8 __attribute__((vector_size(32)));
-typedef int32_t Lanes8i __attribute__((vector_size(32)));
+// A V group's running min / max is one Lanes8 pair, lane l over its channels
+// l, l + 8, ... (G is a multiple of 8).
 
 // The range of a group from its lanes' running min / max: what merging the
 // lanes in order with math::range_merge gives, as a 3-level tree. Merging in
