@@ -354,6 +354,49 @@ def test_k_quant_error_cpu_same_bits_on_every_isa(monkeypatch):
                     assert torch.equal(outs[isa], outs["generic"]), f"{label} bits={bits} {isa}"
 
 
+def _poison(t, g, values):
+    """t with about 8 % of its entries replaced by each of values."""
+    t = t.clone()
+    sel = torch.rand(t.shape, generator=g)
+    for i, v in enumerate(values):
+        t[(sel >= 0.08 * i) & (sel < 0.08 * (i + 1))] = v
+    return t
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_dequantize_cpu_any_stored_scale_and_min(monkeypatch, isa):
+    """dequantize_k / dequantize_v of caches whose stored scales and mins hold
+    what quantization never writes (-0, infinities, NaN, a scale that
+    overflows when multiplied, subnormals): every instruction-set copy gives
+    the oracle's bits, NaN sign and payload aside (the hardware makes its own
+    NaN). The AVX-512 copy takes shortcuts that depend on these values (V
+    through per-group tables; no NaN select when a K group's scales and mins
+    are finite); an earlier AVX2 / AVX-512 V path turned a -0 scale into +0."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    g = _gen(21)
+    for dtype in DTYPES:
+        big, tiny = (6e4, 1e-7) if dtype == torch.float16 else (3e38, 1e-39)
+        scales = [-0.0, float("inf"), float("nan"), big, tiny]
+        mins = [-0.0, float("-inf"), float("nan"), tiny]
+        for bits in BITS:
+            for T, d, G in [(64, 128, 32), (45, 96, 32), (33, 64, 16), (70, 256, 64)]:
+                lab = f"{dtype} bits={bits} T={T} d={d} G={G}"
+                x = _rnd(g, 1, 2, T, d, dtype=dtype)
+                c, sc, mn, pi, pv = reference.quantize_k(x, bits, G, 1, torch.rand(1, T, generator=g))
+                sc, mn = _poison(sc, g, scales), _poison(mn, g, mins)
+                got = torch.ops.dllm.dequantize_k(c, sc, mn, pi, pv, bits, G, T)
+                want = reference.dequantize_k(c, sc, mn, pi, pv, bits, G, T)
+                iv = {2: torch.int16, 4: torch.int32}[got.element_size()]
+                same = (got.view(iv) == want.view(iv)) | (got.isnan() & want.isnan())
+                assert bool(same.all()), f"K {lab}: {int((~same).sum())} values differ"
+                c, sc, mn = reference.quantize_v(x, bits, G)
+                sc, mn = _poison(sc, g, scales), _poison(mn, g, mins)
+                got = torch.ops.dllm.dequantize_v(c, sc, mn, bits, G)
+                want = reference.dequantize_v(c, sc, mn, bits, G)
+                same = (got.view(iv) == want.view(iv)) | (got.isnan() & want.isnan())
+                assert bool(same.all()), f"V {lab}: {int((~same).sum())} values differ"
+
+
 # ---- quant_attention ------------------------------------------------------------------
 
 # (B, Q, H, H_kv, T, d, k_bits, v_bits, k_group, v_group, p): GQA ratios 1, 2

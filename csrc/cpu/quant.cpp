@@ -178,7 +178,11 @@ bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
   const uint8_t* pidx = prot_idx + u * p;
   if (!m::prot_group_valid(pidx, p, n_real)) return false;
   float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
-  for (int64_t c = 0; c < d; ++c) sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
+  bool finite = true;  // every scale and min: then no dequantized value is a NaN
+  for (int64_t c = 0; c < d; ++c) {
+    sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
+    finite &= m::is_finite(sf[c]) & m::is_finite(mf[c]);
+  }
   const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
   for (int j = 0; j < n_real; ++j) {
     T* o = out + j * d;
@@ -188,7 +192,8 @@ bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
       std::copy_n(pv, d, o);
       continue;
     }
-    DLLM_ISA_CALL(isa, dequant_row(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask));
+    DLLM_ISA_CALL(isa, dequant_row(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask,
+                                   finite));
   }
   return true;
 }
@@ -306,9 +311,8 @@ at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, co
     const scalar_t *sp = sc.const_data_ptr<scalar_t>(), *mp = mc.const_data_ptr<scalar_t>();
     scalar_t* op_ = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, s.B * s.H * s.T, cpu::kGrainQuantRows, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row)
-        DLLM_ISA_CALL(isa, dequant_v_row(s, cp + row * s.row_bytes, sp + row * s.n_groups,
-                                         mp + row * s.n_groups, op_ + row * s.d));
+      DLLM_ISA_CALL(isa, dequant_v_rows(s, cp + begin * s.row_bytes, sp + begin * s.n_groups,
+                                        mp + begin * s.n_groups, op_ + begin * s.d, end - begin));
     });
   });
   return out;
@@ -345,12 +349,10 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
         if (!dequant_k_group(isa, s.k, bh, g, kcodes, kscale, kmin, kidx, kval,
                              k.data() + g * s.k.G * d))
           st |= m::kQuantBadProtIdx;
-      for (int64_t t = 0; t < Tn; ++t) {
-        const int64_t row = bh * Tn + t;
-        DLLM_ISA_CALL(isa, dequant_v_row(s.v, vcodes + row * s.v.row_bytes,
-                                         vscale + row * s.v.n_groups, vmin + row * s.v.n_groups,
-                                         v.data() + t * d));
-      }
+      const int64_t row0 = bh * Tn;
+      DLLM_ISA_CALL(isa, dequant_v_rows(s.v, vcodes + row0 * s.v.row_bytes,
+                                        vscale + row0 * s.v.n_groups, vmin + row0 * s.v.n_groups,
+                                        v.data(), Tn));
       const bool* valid = key_valid ? key_valid + b * Tn : nullptr;
       for (int64_t q0 = 0; q0 < s.Q; q0 += Qt) {
         const int64_t qn = std::min(Qt, s.Q - q0);

@@ -147,6 +147,13 @@ inline void widen_codes(const U8x16& c, I32x16& r) {
 #endif
 }
 
+// x in all 16 lanes (F32x16{} + x would turn a -0 into +0).
+inline F32x16 splat16(float x) {
+  F32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = x;
+  return v;
+}
+
 // Makes v a value GCC must treat as unknown (an empty asm on each of its
 // registers): what was computed into it is rounded, never fused onward.
 inline void opaque(F32x16& v) {
@@ -185,21 +192,76 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
 }
 #endif  // DLLM_QUANT_SHUFFLE
 
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
+// fp32 lanes rounded to bf16 as cpu::bf16_round_bits, each result left in
+// the high half of its 32-bit lane. no_nan: no lane is a NaN, so the NaN
+// select is skipped.
+inline __m512i bf16_round_high(const F32x16& v, bool no_nan) {
+  U32x16 b;
+  std::memcpy(&b, &v, sizeof(b));
+  U32x16 r = b + 0x7fffu + ((b >> 16) & 1u);
+  if (!no_nan) r = (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x00400000u) : r;
+  __m512i out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+// bf16 rows, 32 values at a time (AVX-512 copy): dequant16's operations on
+// two registers, each lane rounded as cpu::bf16_round_bits but left in the
+// high half of its 32 bits, and the two high halves gathered into one store
+// by a single word permute. When every scale and min of the row is finite
+// (finite_sm), no value can be a NaN (a finite code times a finite scale plus
+// a finite min is finite or infinite), so the NaN select is skipped.
+inline void dequant32_bf16(const __m256i code, const float* sf, const float* mf, bool finite_sm,
+                           uint16_t* o) {
+  U8x16 c[2];
+  std::memcpy(c, &code, sizeof(c));
+  __m512i r[2];
+  for (int h = 0; h < 2; ++h) {
+    I32x16 ci;
+    widen_codes(c[h], ci);
+    F32x16 s, m;
+    std::memcpy(&s, sf + 16 * h, sizeof(s));
+    std::memcpy(&m, mf + 16 * h, sizeof(m));
+    F32x16 prod = __builtin_convertvector(ci, F32x16) * s;
+    opaque(prod);
+    const F32x16 v = prod + m;
+    r[h] = bf16_round_high(v, finite_sm);
+  }
+  const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35,
+                                        33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(o, _mm512_maskz_permutex2var_epi16(~0u, r[0], high, r[1]));
+}
+#endif
+
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
 // per-element stored scale / min sf[c], mf[c], rounded to T. With the byte
-// shuffles, whole vectors of 16 go through dequant16. The rest (all of the
+// shuffles, whole vectors of 16 go through dequant16 (bf16 in the AVX-512
+// copy: 32 through dequant32_bf16, finite_sm as there). The rest (all of the
 // row in the generic copy) runs as two plain loops that GCC vectorizes, the
 // products stored in between: the empty asm, which is given their address and
 // clobbers memory, makes GCC load them back, so no FMA there either.
 template <typename T>
 DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
                                    const float* __restrict__ mf, T* o_, int64_t d, int shift,
-                                   uint32_t mask) {
+                                   uint32_t mask, bool finite_sm = false) {
   using E = cpu::Elem<T>;
   auto* __restrict__ o = reinterpret_cast<typename E::Bits*>(o_);
   int64_t c0 = 0;
 #if DLLM_QUANT_SHUFFLE
   const __m128i count = _mm_cvtsi32_si128(shift), m8 = _mm_set1_epi8(static_cast<char>(mask));
+#if DLLM_VEC_FLOATS >= 16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i m8w = _mm256_set1_epi8(static_cast<char>(mask));
+    for (; c0 + 32 <= d; c0 += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(crow + c0));
+      dequant32_bf16(_mm256_and_si256(_mm256_srl_epi16(b, count), m8w), sf + c0, mf + c0,
+                     finite_sm, o + c0);
+    }
+  }
+#else
+  (void)finite_sm;
+#endif
   for (; c0 + 16 <= d; c0 += 16) {
     // 16-bit lanes shift in the neighbour byte's low bits; the mask drops them.
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + c0));
@@ -442,6 +504,146 @@ DLLM_CPU_NOINLINE void unpack_codes(const uint8_t* __restrict__ packed, int64_t 
   for (; c < d; ++c) code[c] = static_cast<uint8_t>((packed[c / n] >> (kBits * (c % n))) & mask);
 }
 
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
+// V rows by table lookup (AVX-512 copy; the masked intrinsic forms because
+// GCC 12 warns on the unmasked ones). A V group shares one scale / min,
+// so it holds at most 2^bits distinct values: the group's table is dequant16
+// of the codes 0 .. 15 under them (the same operations as every other path,
+// so the same bits), and its channels are read out of the table with one
+// permute per W channels (W = 32 for 16-bit types, 16 for fp32). An index
+// lane holds its code in the low bits and the packed byte's other codes
+// above; the permute reads only the low 5 (16-bit) or 4 (fp32) bits, and
+// the table repeats with period 2^bits across those entries, so the upper
+// codes pick a copy of the right entry.
+template <typename T>
+struct VLookup;
+template <>
+struct VLookup<float> {  // 16 lanes, vpermps
+  static constexpr int W = 16;
+  // byte k of the 16 a lookup reads (in the low bytes of x): packed[k / n]
+  template <int bits>
+  static __m512i indices(__m128i x) {
+    const __m128i pick = bits == 4 ? _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+                                   : _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i shift = bits == 4 ? _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0)
+                                    : _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
+    return _mm512_maskz_srlv_epi32(0xffff, _mm512_maskz_cvtepu8_epi32(0xffff, _mm_shuffle_epi8(x, pick)),
+                                   shift);
+  }
+  template <int bits>
+  static __m512i table(const float* t) {
+    return _mm512_castps_si512(bits == 4 ? _mm512_loadu_ps(t)
+                                         : _mm512_maskz_broadcast_f32x4(0xffff, _mm_loadu_ps(t)));
+  }
+  static void lookup(__m512i idx, __m512i table, float* o) {
+    _mm512_storeu_ps(o, _mm512_maskz_permutexvar_ps(0xffff, idx, _mm512_castsi512_ps(table)));
+  }
+};
+template <>
+struct VLookup<uint16_t> {  // bf16 / fp16 bits: 32 lanes, vpermw
+  static constexpr int W = 32;
+  template <int bits>
+  static __m512i indices(__m128i x) {
+    // The 16 bytes in both 128-bit halves; each half's shuffle picks its 16.
+    const __m256i pick =
+        bits == 4 ? _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9,
+                                     10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)
+                  : _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4,
+                                     5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    const __m512i shift =
+        bits == 4 ? _mm512_set1_epi32(4 << 16)
+                  : _mm512_set1_epi64((int64_t{6} << 48) | (int64_t{4} << 32) | (2 << 16));
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(x), pick);
+    return _mm512_maskz_srlv_epi16(~0u, _mm512_maskz_cvtepu8_epi16(~0u, bytes), shift);
+  }
+  template <int bits>
+  static __m512i table(const uint16_t* t) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
+    return bits == 4 ? _mm512_maskz_broadcast_i64x4(0xff, v)
+                     : _mm512_maskz_broadcastq_epi64(0xff, _mm256_castsi256_si128(v));
+  }
+  static void lookup(__m512i idx, __m512i table, uint16_t* o) {
+    _mm512_storeu_si512(o, _mm512_maskz_permutexvar_epi16(~0u, idx, table));
+  }
+};
+
+// A group's table from v = dequant16's sum for the codes 0 .. 15 (lane =
+// code), rounded to T and laid out as VLookup<>::lookup reads it.
+template <typename T, int bits>
+inline __m512i v_table(const F32x16& v, bool no_nan) {
+  if constexpr (std::is_same_v<T, float>) {
+    __m512i t;
+    std::memcpy(&t, &v, sizeof(t));
+    if constexpr (bits == 2)
+      t = _mm512_maskz_permutexvar_epi32(0xffff, _mm512_set4_epi32(3, 2, 1, 0), t);
+    return t;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // the rounded values are the high words of the lanes: word 2 * code + 1
+    const __m512i high = bits == 4 ? _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11,
+                                                      9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21, 19,
+                                                      17, 15, 13, 11, 9, 7, 5, 3, 1)
+                                   : _mm512_set4_epi32((7 << 16) | 5, (3 << 16) | 1,
+                                                       (7 << 16) | 5, (3 << 16) | 1);
+    return _mm512_maskz_permutexvar_epi16(~0u, high, bf16_round_high(v, no_nan));
+  } else {  // fp16: rounded one at a time (cpu::Elem), as dequant16 does
+    (void)no_nan;
+    float f[16];
+    std::memcpy(f, &v, sizeof(f));
+    alignas(32) c10::Half h[16];
+    for (int i = 0; i < 16; ++i) h[i] = cpu::Elem<T>::store(f[i]);
+    return VLookup<uint16_t>::template table<bits>(reinterpret_cast<const uint16_t*>(h));
+  }
+}
+
+// n rows of V through their groups' tables; G >= W. The scales and mins of
+// 16 groups at a time (consecutive in memory: the rows' groups in order) are
+// widened together and checked once for a value that could make a NaN.
+template <typename T, int bits>
+DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t* codes,
+                                             const T* scale, const T* mn, T* out_, int64_t n) {
+  // the table and output as 16-bit words or floats
+  using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, float>;
+  using L = VLookup<Bits>;
+  constexpr int kBytes = L::W * bits / 8;  // of one lookup's codes: 16, 8 or 4
+  const F32x16 code_f = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto* out = reinterpret_cast<Bits*>(out_);
+  const int64_t units = n * s.n_groups;
+  int64_t r = 0, grp = 0;  // row and group of the next unit
+  alignas(64) float sv[16], mv[16];
+  for (int64_t u0 = 0; u0 < units; u0 += 16) {
+    const int k = static_cast<int>(std::min<int64_t>(16, units - u0));
+    for (int j = 0; j < 16; ++j) {
+      sv[j] = j < k ? widen(scale[u0 + j]) : 0.f;
+      mv[j] = j < k ? widen(mn[u0 + j]) : 0.f;
+    }
+    const __mmask16 bad = _mm512_fpclass_ps_mask(_mm512_load_ps(sv), 0x99) |  // NaN, +-inf
+                          _mm512_fpclass_ps_mask(_mm512_load_ps(mv), 0x99);
+    const bool no_nan = bad == 0;
+    for (int j = 0; j < k; ++j) {
+      F32x16 prod = code_f * sv[j];
+      opaque(prod);
+      const __m512i table = v_table<T, bits>(prod + mv[j], no_nan);
+      const uint8_t* crow = codes + r * s.row_bytes;
+      for (int64_t c = grp * s.G; c < (grp + 1) * s.G; c += L::W) {
+        const uint8_t* p = crow + c * bits / 8;
+        __m128i x;  // exactly the lookup's bytes: a wider load could leave the tensor
+        if constexpr (kBytes == 16) {
+          x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        } else if constexpr (kBytes == 8) {
+          x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+        } else {
+          int32_t w;
+          std::memcpy(&w, p, sizeof(w));
+          x = _mm_cvtsi32_si128(w);
+        }
+        L::lookup(L::template indices<bits>(x), table, out + r * s.d + c);
+      }
+      if (++grp == s.n_groups) grp = 0, ++r;
+    }
+  }
+}
+#endif
+
 // One dequantized V row (d values) into out. With the byte shuffles and
 // groups of 16 or more channels: 16 codes at a time straight into
 // dequant16 under the group's scale / min. Otherwise codes unpacked to one
@@ -454,7 +656,7 @@ void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, c
   if (G >= 16) {  // G is a power of two: whole vectors of 16
     auto* o = reinterpret_cast<typename cpu::Elem<T>::Bits*>(out);
     for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-      const F32x16 sv = F32x16{} + widen(scale[grp]), mv = F32x16{} + widen(mn[grp]);
+      const F32x16 sv = splat16(widen(scale[grp])), mv = splat16(widen(mn[grp]));
       for (int64_t c = grp * G; c < (grp + 1) * G; c += 16) {
         const __m128i code = s.bits == 4 ? v_codes16<4>(codes, c) : v_codes16<2>(codes, c);
         U8x16 cb;
@@ -476,5 +678,19 @@ void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, c
   else
     unpack_codes<2>(codes, s.d, code);
   dequant_row(code, sf, mf, out, s.d, 0, 0xffu);
+}
+
+// n consecutive V rows (codes, scales, mins and out advance one row each).
+template <typename T>
+void dequant_v_rows(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn,
+                    T* out, int64_t n) {
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
+  if (s.G >= (sizeof(T) == 2 ? 32 : 16))  // VLookup<>::W
+    return s.bits == 4 ? dequant_v_rows_lookup<T, 4>(s, codes, scale, mn, out, n)
+                       : dequant_v_rows_lookup<T, 2>(s, codes, scale, mn, out, n);
+#endif
+  for (int64_t r = 0; r < n; ++r)
+    dequant_v_row(s, codes + r * s.row_bytes, scale + r * s.n_groups, mn + r * s.n_groups,
+                  out + r * s.d);
 }
 #undef DLLM_QUANT_SHUFFLE
