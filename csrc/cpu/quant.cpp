@@ -178,11 +178,8 @@ bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
   const uint8_t* pidx = prot_idx + u * p;
   if (!m::prot_group_valid(pidx, p, n_real)) return false;
   float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
-  bool finite = true;  // every scale and min: then no dequantized value is a NaN
-  for (int64_t c = 0; c < d; ++c) {
-    sf[c] = widen(scale[u * d + c]), mf[c] = widen(mn[u * d + c]);
-    finite &= m::is_finite(sf[c]) & m::is_finite(mf[c]);
-  }
+  bool finite;  // every scale and min: then no dequantized value is a NaN
+  DLLM_ISA_CALL(isa, widen_scale_min(scale + u * d, mn + u * d, d, sf, mf, &finite));
   const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
   for (int j = 0; j < n_real; ++j) {
     T* o = out + j * d;

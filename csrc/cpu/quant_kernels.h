@@ -68,6 +68,23 @@ DLLM_CPU_NOINLINE void nonfinite_row(const T* row_, int64_t d, int* bad_out) {
   if (bad) *bad_out = 1;
 }
 
+// A K group's stored scales and mins widened to fp32 into sf / mf; *finite:
+// whether all of them are finite (dequant_row's finite_sm).
+template <typename T>
+DLLM_CPU_NOINLINE void widen_scale_min(const T* scale_, const T* mn_, int64_t d,
+                                       float* __restrict__ sf, float* __restrict__ mf,
+                                       bool* finite) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ scale = reinterpret_cast<const typename E::Bits*>(scale_);
+  const auto* __restrict__ mn = reinterpret_cast<const typename E::Bits*>(mn_);
+  int bad = 0;
+  for (int64_t c = 0; c < d; ++c) {
+    sf[c] = E::load(scale[c]), mf[c] = E::load(mn[c]);
+    bad |= !math::is_finite(sf[c]) | !math::is_finite(mf[c]);
+  }
+  *finite = bad == 0;
+}
+
 // x with its bits AND-ed with m (all ones or zero): a select GCC vectorizes.
 inline float and_bits(float x, uint32_t m) {
   uint32_t b;
@@ -595,6 +612,20 @@ inline __m512i v_table(const F32x16& v, bool no_nan) {
   }
 }
 
+// 16 bf16 or fp32 values widened into out with one vector store.
+template <typename T>
+inline void widen16(const T* x, float* out) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    U16x16 h;
+    std::memcpy(&h, x, sizeof(h));
+    const U32x16 w = __builtin_convertvector(h, U32x16) << 16;
+    std::memcpy(out, &w, sizeof(w));
+  } else {
+    static_assert(std::is_same_v<T, float>, "bf16 or fp32");
+    std::memcpy(out, x, 16 * sizeof(float));
+  }
+}
+
 // n rows of V through their groups' tables; G >= W. The scales and mins of
 // 16 groups at a time (consecutive in memory: the rows' groups in order) are
 // widened together and checked once for a value that could make a NaN.
@@ -606,15 +637,30 @@ DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t
   using L = VLookup<Bits>;
   constexpr int kBytes = L::W * bits / 8;  // of one lookup's codes: 16, 8 or 4
   const F32x16 code_f = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  // (locals: GCC reloads the fields of s after every store through out)
+  const int64_t G = s.G, ng = s.n_groups, d = s.d, row_bytes = s.row_bytes, units = n * ng;
   auto* out = reinterpret_cast<Bits*>(out_);
-  const int64_t units = n * s.n_groups;
-  int64_t r = 0, grp = 0;  // row and group of the next unit
+  const uint8_t* crow = codes;  // the next unit's row
+  Bits* orow = out;
+  int64_t grp = 0;  // the next unit's group in its row
   alignas(64) float sv[16], mv[16];
   for (int64_t u0 = 0; u0 < units; u0 += 16) {
     const int k = static_cast<int>(std::min<int64_t>(16, units - u0));
-    for (int j = 0; j < 16; ++j) {
-      sv[j] = j < k ? widen(scale[u0 + j]) : 0.f;
-      mv[j] = j < k ? widen(mn[u0 + j]) : 0.f;
+    bool widened = false;
+    if constexpr (!std::is_same_v<T, c10::Half>) {
+      if (k == 16) {
+        // one vector store each: 16 scalar stores read back as a vector
+        // would stall (no store forwarding)
+        widen16(scale + u0, sv);
+        widen16(mn + u0, mv);
+        widened = true;
+      }
+    }
+    if (!widened) {
+      for (int j = 0; j < 16; ++j) {
+        sv[j] = j < k ? widen(scale[u0 + j]) : 0.f;
+        mv[j] = j < k ? widen(mn[u0 + j]) : 0.f;
+      }
     }
     const __mmask16 bad = _mm512_fpclass_ps_mask(_mm512_load_ps(sv), 0x99) |  // NaN, +-inf
                           _mm512_fpclass_ps_mask(_mm512_load_ps(mv), 0x99);
@@ -623,8 +669,7 @@ DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t
       F32x16 prod = code_f * sv[j];
       opaque(prod);
       const __m512i table = v_table<T, bits>(prod + mv[j], no_nan);
-      const uint8_t* crow = codes + r * s.row_bytes;
-      for (int64_t c = grp * s.G; c < (grp + 1) * s.G; c += L::W) {
+      for (int64_t c = grp * G; c < (grp + 1) * G; c += L::W) {
         const uint8_t* p = crow + c * bits / 8;
         __m128i x;  // exactly the lookup's bytes: a wider load could leave the tensor
         if constexpr (kBytes == 16) {
@@ -636,9 +681,9 @@ DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t
           std::memcpy(&w, p, sizeof(w));
           x = _mm_cvtsi32_si128(w);
         }
-        L::lookup(L::template indices<bits>(x), table, out + r * s.d + c);
+        L::lookup(L::template indices<bits>(x), table, orow + c);
       }
-      if (++grp == s.n_groups) grp = 0, ++r;
+      if (++grp == ng) grp = 0, crow += row_bytes, orow += d;
     }
   }
 }
