@@ -325,7 +325,7 @@ def test_quantize_v_matches_reference(backend, dtype, bits):
         assert torch.equal(deq[0, 0, 0, :G], v[0, 0, 0, :G]) or "strided" in label  # constant group
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_quant_cpu_narrow_isa(monkeypatch, isa):
     """The CPU row loops of the family are compiled per instruction set
     (csrc/cpu/quant_kernels.h) and each copy gives the oracle's bits: the
@@ -347,10 +347,10 @@ def test_k_quant_error_cpu_same_bits_on_every_isa(monkeypatch):
         for k, _, G, label in k_inputs(dtype, seed=5):
             for bits in BITS:
                 outs = {}
-                for isa in ("generic", "avx2", "avx512"):
+                for isa in ("generic", "avx2", "avx512", "avx512bf16"):
                     monkeypatch.setenv("DLLM_CPU_ISA", isa)
                     outs[isa] = dllm_ops.k_quant_error(k, bits, G)
-                for isa in ("avx2", "avx512"):
+                for isa in ("avx2", "avx512", "avx512bf16"):
                     assert torch.equal(outs[isa], outs["generic"]), f"{label} bits={bits} {isa}"
 
 
@@ -363,7 +363,7 @@ def _poison(t, g, values):
     return t
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16"])
 def test_dequantize_cpu_any_stored_scale_and_min(monkeypatch, isa):
     """dequantize_k / dequantize_v of caches whose stored scales and mins hold
     what quantization never writes (-0, infinities, NaN, a scale that
@@ -371,7 +371,9 @@ def test_dequantize_cpu_any_stored_scale_and_min(monkeypatch, isa):
     the oracle's bits, NaN sign and payload aside (the hardware makes its own
     NaN). The AVX-512 copy takes shortcuts that depend on these values (V
     through per-group tables; no NaN select when a K group's scales and mins
-    are finite); an earlier AVX2 / AVX-512 V path turned a -0 scale into +0."""
+    are finite; at avx512bf16, bf16 K rounded by the hardware conversion,
+    which flushes subnormals); an earlier AVX2 / AVX-512 V path turned a -0
+    scale into +0."""
     monkeypatch.setenv("DLLM_CPU_ISA", isa)
     g = _gen(21)
     for dtype in DTYPES:
@@ -476,7 +478,7 @@ def _check_quant_attention_cases(backend, cases, dtype):
             assert torch.all(out[~valid.any(1)] == 0), label
 
 
-@pytest.mark.parametrize("isa", [None, "generic", "avx2"])
+@pytest.mark.parametrize("isa", [None, "generic", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quant_attention_cpu_is_sparse_attention_on_the_dequantized_cache(monkeypatch, isa, dtype):
     """On the CPU both ops run the same attention tile (csrc/cpu/attention.h),

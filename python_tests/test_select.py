@@ -150,7 +150,7 @@ def test_cpu_isa_is_reported_and_a_bad_cap_is_an_error(monkeypatch):
     widest this CPU has); DLLM_CPU_ISA caps the first and a value it does not
     know is a clear error of the op that reads it, not a silent fallback."""
     import dllm_ops
-    order = ["generic", "avx2", "avx512"]
+    order = ["generic", "avx2", "avx512", "avx512bf16"]
     monkeypatch.delenv("DLLM_CPU_ISA", raising=False)
     pk = dllm_ops.quantize_k(torch.randn(1, 1, 3, 8), 4, 8)
     pv = dllm_ops.quantize_v(torch.randn(1, 1, 3, 8), 4, 8)
@@ -168,7 +168,7 @@ def test_cpu_isa_is_reported_and_a_bad_cap_is_an_error(monkeypatch):
                        ("sparse_attention", (torch.randn(1, 1, 1, 8), torch.randn(1, 1, 3, 8),
                                              torch.randn(1, 1, 3, 8), None, 1.0))]:
         with pytest.raises(RuntimeError, match=f"dllm::{name}: DLLM_CPU_ISA must be generic, "
-                                               "avx2 or avx512"):
+                                               "avx2, avx512 or avx512bf16"):
             getattr(torch.ops.dllm, name)(*args)
 
 

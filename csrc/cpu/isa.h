@@ -8,14 +8,14 @@
 //   #define DLLM_ISA_KERNELS "cpu/<family>_kernels.h"
 //   #include "cpu/isa.h"
 //
-// which compiles the kernels header once per Isa, each copy in its own
+// which compiles the kernels header three times, each copy in its own
 // namespace (isa_generic, isa_avx2, isa_avx512) under `#pragma GCC target`
 // (x86-64 baseline, x86-64-v3, x86-64-v4), with DLLM_VEC_FLOATS floats per
 // vector register (4, 8, 16) for code that sizes GCC vector types by it. A
 // call site picks the copy with DLLM_ISA_CALL(isa, f(args)), isa from
-// active_isa(op): the widest set this CPU runs, capped by the DLLM_CPU_ISA
-// environment variable (generic | avx2 | avx512; read on every call, so a
-// test can run the narrower copies on a wide machine). `python -m bench ops`
+// active_isa(op): the widest level this CPU runs, capped by the DLLM_CPU_ISA
+// environment variable (generic | avx2 | avx512 | avx512bf16; read on every
+// call, so a test can run the narrower levels on a wide machine). `python -m bench ops`
 // reports the set in use (torch.ops.dllm_cpu.isa, csrc/cpu/isa.cpp).
 //
 // Numerics. A copy compiled with FMA lets GCC contract a * b + c, which can
@@ -68,24 +68,30 @@
 namespace dllm {
 namespace cpu {
 
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Bf16 runs the AVX-512 copy and lets a kernel use AVX512-BF16's
+// conversions too (functions with their own target attribute, picked by
+// testing the level at run time; today bf16 K dequantization in the quant
+// family). It is not a copy of its own: DLLM_ISA_CALL maps it to isa_avx512.
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
   }
 }
 
-// The widest copy this CPU can run: the feature levels the copies are
+// The widest level this CPU can run: the feature levels the copies are
 // compiled for (x86-64-v4: AVX-512 F/BW/CD/DQ/VL; x86-64-v3: AVX2, FMA, BMI,
-// F16C, ...), probed once.
+// F16C, ...), and x86-64-v4 with AVX512-BF16, probed once.
 inline Isa best_isa() {
   static const Isa best = [] {
 #if DLLM_ISA_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return Isa::kAvx512;
+    if (__builtin_cpu_supports("x86-64-v4"))
+      return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
     if (__builtin_cpu_supports("x86-64-v3")) return Isa::kAvx2;
 #endif
     return Isa::kGeneric;
@@ -105,9 +111,12 @@ inline Isa active_isa(const char* op) {
     want = Isa::kAvx2;
   } else if (c == "avx512") {
     want = Isa::kAvx512;
+  } else if (c == "avx512bf16") {
+    want = Isa::kAvx512Bf16;
   } else {
     TORCH_CHECK(c == "generic", "dllm::", op,
-                ": DLLM_CPU_ISA must be generic, avx2 or avx512 (or unset), got '", c, "'");
+                ": DLLM_CPU_ISA must be generic, avx2, avx512 or avx512bf16 (or unset), got '", c,
+                "'");
   }
   return static_cast<int>(want) < static_cast<int>(best) ? want : best;
 }
@@ -172,6 +181,7 @@ inline int64_t grain_items(int64_t grain, int64_t work_per_item) {
 #define DLLM_ISA_CALL(isa, ...)                                 \
   do {                                                          \
     switch (isa) {                                              \
+      case ::dllm::cpu::Isa::kAvx512Bf16:                       \
       case ::dllm::cpu::Isa::kAvx512: isa_avx512::__VA_ARGS__; break; \
       case ::dllm::cpu::Isa::kAvx2: isa_avx2::__VA_ARGS__; break;     \
       default: isa_generic::__VA_ARGS__; break;                 \

@@ -190,7 +190,7 @@ bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
       continue;
     }
     DLLM_ISA_CALL(isa, dequant_row(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask,
-                                   finite));
+                                   finite, isa == cpu::Isa::kAvx512Bf16));
   }
   return true;
 }
@@ -244,7 +244,8 @@ void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float*
         // the row's codes and dequantized values, as quantize_k / dequantize_k make them
         const T* row = x + j * d;
         DLLM_ISA_CALL(isa, codes_row(row, sf, mf, code, d, bits));
-        DLLM_ISA_CALL(isa, dequant_row(code, sf, mf, deq, d, 0, 0xffu));
+        DLLM_ISA_CALL(isa, dequant_row(code, sf, mf, deq, d, 0, 0xffu, false,
+                                       isa == cpu::Isa::kAvx512Bf16));
         DLLM_ISA_CALL(isa, sq_error_row(row, deq, d, err + bh * s.T + g * G + j));
       }
     }

@@ -223,17 +223,11 @@ inline __m512i bf16_round_high(const F32x16& v, bool no_nan) {
   return out;
 }
 
-// bf16 rows, 32 values at a time (AVX-512 copy): dequant16's operations on
-// two registers, each lane rounded as cpu::bf16_round_bits but left in the
-// high half of its 32 bits, and the two high halves gathered into one store
-// by a single word permute. When every scale and min of the row is finite
-// (finite_sm), no value can be a NaN (a finite code times a finite scale plus
-// a finite min is finite or infinite), so the NaN select is skipped.
-inline void dequant32_bf16(const __m256i code, const float* sf, const float* mf, bool finite_sm,
-                           uint16_t* o) {
+// bf16 rows, 32 values at a time (AVX-512 copy): dequant16's sums for 32
+// codes under sf / mf [32], in two registers.
+inline void dequant32_sums(const __m256i code, const float* sf, const float* mf, F32x16 (&v)[2]) {
   U8x16 c[2];
   std::memcpy(c, &code, sizeof(c));
-  __m512i r[2];
   for (int h = 0; h < 2; ++h) {
     I32x16 ci;
     widen_codes(c[h], ci);
@@ -242,26 +236,65 @@ inline void dequant32_bf16(const __m256i code, const float* sf, const float* mf,
     std::memcpy(&m, mf + 16 * h, sizeof(m));
     F32x16 prod = __builtin_convertvector(ci, F32x16) * s;
     opaque(prod);
-    const F32x16 v = prod + m;
-    r[h] = bf16_round_high(v, finite_sm);
+    v[h] = prod + m;
   }
+}
+
+// 32 sums rounded to bf16 into o: each lane rounded as cpu::bf16_round_bits
+// but left in the high half of its 32 bits, the two registers' high halves
+// gathered into one store by a single word permute. When every scale and min
+// of the row is finite (finite_sm), no sum can be a NaN (a finite code times
+// a finite scale plus a finite min is finite or infinite), so the NaN select
+// is skipped.
+inline void store32_bf16(const F32x16 (&v)[2], bool finite_sm, uint16_t* o) {
   const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35,
                                         33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  _mm512_storeu_si512(o, _mm512_maskz_permutex2var_epi16(~0u, r[0], high, r[1]));
+  _mm512_storeu_si512(o, _mm512_maskz_permutex2var_epi16(~0u, bf16_round_high(v[0], finite_sm),
+                                                         high, bf16_round_high(v[1], finite_sm)));
+}
+
+// The 32-value loop of a bf16 row with AVX512-BF16's conversion (Isa::
+// kAvx512Bf16): VCVTNE2PS2BF16 rounds to nearest even and quiets a NaN the
+// way cpu::bf16_round_bits does, for every input except subnormals, which it
+// flushes to zero (checked against all 2^32 fp32 patterns on a Sapphire
+// Rapids CPU); a block holding a subnormal sum is rounded by store32_bf16
+// instead. Returns the channels done (a multiple of 32).
+__attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE int64_t dequant_row_bf16_insn(
+    const uint8_t* __restrict__ crow, const float* __restrict__ sf, const float* __restrict__ mf,
+    uint16_t* o, int64_t d, int shift, uint32_t mask, bool finite_sm) {
+  const __m128i count = _mm_cvtsi32_si128(shift);
+  const __m256i m8w = _mm256_set1_epi8(static_cast<char>(mask));
+  int64_t c0 = 0;
+  for (; c0 + 32 <= d; c0 += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(crow + c0));
+    F32x16 v[2];
+    dequant32_sums(_mm256_and_si256(_mm256_srl_epi16(b, count), m8w), sf + c0, mf + c0, v);
+    __m512 lo, hi;
+    std::memcpy(&lo, &v[0], sizeof(lo));
+    std::memcpy(&hi, &v[1], sizeof(hi));
+    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {  // subnormal
+      store32_bf16(v, finite_sm, o + c0);
+    } else {
+      const __m512bh r = _mm512_cvtne2ps_pbh(hi, lo);
+      std::memcpy(o + c0, &r, sizeof(r));
+    }
+  }
+  return c0;
 }
 #endif
 
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
 // per-element stored scale / min sf[c], mf[c], rounded to T. With the byte
 // shuffles, whole vectors of 16 go through dequant16 (bf16 in the AVX-512
-// copy: 32 through dequant32_bf16, finite_sm as there). The rest (all of the
+// copy: 32 through dequant32_sums and store32_bf16, finite_sm as there, or
+// with bf16_insn through dequant_row_bf16_insn). The rest (all of the
 // row in the generic copy) runs as two plain loops that GCC vectorizes, the
 // products stored in between: the empty asm, which is given their address and
 // clobbers memory, makes GCC load them back, so no FMA there either.
 template <typename T>
 DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
                                    const float* __restrict__ mf, T* o_, int64_t d, int shift,
-                                   uint32_t mask, bool finite_sm = false) {
+                                   uint32_t mask, bool finite_sm = false, bool bf16_insn = false) {
   using E = cpu::Elem<T>;
   auto* __restrict__ o = reinterpret_cast<typename E::Bits*>(o_);
   int64_t c0 = 0;
@@ -269,15 +302,20 @@ DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float
   const __m128i count = _mm_cvtsi32_si128(shift), m8 = _mm_set1_epi8(static_cast<char>(mask));
 #if DLLM_VEC_FLOATS >= 16
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i m8w = _mm256_set1_epi8(static_cast<char>(mask));
-    for (; c0 + 32 <= d; c0 += 32) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(crow + c0));
-      dequant32_bf16(_mm256_and_si256(_mm256_srl_epi16(b, count), m8w), sf + c0, mf + c0,
-                     finite_sm, o + c0);
+    if (bf16_insn) {
+      c0 = dequant_row_bf16_insn(crow, sf, mf, o, d, shift, mask, finite_sm);
+    } else {
+      const __m256i m8w = _mm256_set1_epi8(static_cast<char>(mask));
+      for (; c0 + 32 <= d; c0 += 32) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(crow + c0));
+        F32x16 v[2];
+        dequant32_sums(_mm256_and_si256(_mm256_srl_epi16(b, count), m8w), sf + c0, mf + c0, v);
+        store32_bf16(v, finite_sm, o + c0);
+      }
     }
   }
 #else
-  (void)finite_sm;
+  (void)finite_sm, (void)bf16_insn;
 #endif
   for (; c0 + 16 <= d; c0 += 16) {
     // 16-bit lanes shift in the neighbour byte's low bits; the mask drops them.
