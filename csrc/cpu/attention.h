@@ -8,7 +8,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -29,6 +31,34 @@ struct AttnScratch {
   AttnScratch(int64_t M, int64_t T, int64_t d, bool with_probs)
       : q_rows(M * d), qt(d * M), p(M * T), st(T * M), pf(with_probs ? M * T : 0), o(M * d),
         mx(M), sum(M), inv(M) {}
+};
+
+// The largest buffer ThreadScratch keeps for its thread between calls.
+constexpr size_t kKeptScratchBytes = size_t{16} << 20;
+
+// n elements of T_ of scratch (contents undefined) for the calling thread.
+// Up to kKeptScratchBytes it is the thread's kept buffer, reused by the next
+// call instead of freshly allocated and page-faulted in; larger requests
+// allocate their own. One live ThreadScratch per thread at a time.
+template <typename T_>
+class ThreadScratch {
+ public:
+  explicit ThreadScratch(int64_t n) {
+    const size_t bytes = static_cast<size_t>(n) * sizeof(T_);
+    if (bytes <= kKeptScratchBytes) {
+      static thread_local std::vector<char> kept;
+      if (kept.size() < bytes) kept.resize(bytes);
+      p_ = kept.data();
+    } else {
+      own_.reset(new char[bytes]);
+      p_ = own_.get();
+    }
+  }
+  T_* get() const { return reinterpret_cast<T_*>(p_); }
+
+ private:
+  char* p_ = nullptr;
+  std::unique_ptr<char[]> own_;
 };
 
 // Queries per tile: enough rows (M = Qt * G ~ 64) for the gemms to run at

@@ -338,19 +338,23 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
   const cpu::AttnShape a{s.B, s.Q, s.H, s.H_kv, s.H / s.H_kv, s.T, s.d};
   const int64_t Qt = cpu::query_tile(a), Tn = s.T, d = s.d;
   at::parallel_for(0, s.B * s.H_kv, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
-    std::vector<T> k(Tn * d), v(Tn * d);
+    // Dequantized K and V of one head, in the thread's kept scratch: a
+    // decode's calls do not page-fault fresh memory in every time.
+    const cpu::ThreadScratch<T> kv(2 * Tn * d);
+    T* k = kv.get();
+    T* v = k + Tn * d;
     cpu::AttnScratch<T> w(Qt * a.G, Tn, d, /*with_probs=*/false);
     int st = 0;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H_kv, kvh = bh % s.H_kv;
       for (int64_t g = 0; g < s.k.n_groups; ++g)
         if (!dequant_k_group(isa, s.k, bh, g, kcodes, kscale, kmin, kidx, kval,
-                             k.data() + g * s.k.G * d))
+                             k + g * s.k.G * d))
           st |= m::kQuantBadProtIdx;
       const int64_t row0 = bh * Tn;
       DLLM_ISA_CALL(isa, dequant_v_rows(s.v, vcodes + row0 * s.v.row_bytes,
                                         vscale + row0 * s.v.n_groups, vmin + row0 * s.v.n_groups,
-                                        v.data(), Tn));
+                                        v, Tn));
       const bool* valid = key_valid ? key_valid + b * Tn : nullptr;
       for (int64_t q0 = 0; q0 < s.Q; q0 += Qt) {
         const int64_t qn = std::min(Qt, s.Q - q0);
@@ -359,7 +363,7 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
             std::fill_n(out + ((b * s.Q + q0 + qi) * s.H + kvh * a.G) * d, a.G * d, T(0));
           continue;
         }
-        cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k.data(), v.data(), valid, scale, out, w,
+        cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k, v, valid, scale, out, w,
                          nullptr, false);
       }
     }
