@@ -75,6 +75,28 @@ void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0
                  const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
                  AttnScratch<T_>& w, float* probs_acc, bool first_head);
 
+// attend_tile's two halves, for a caller that produces V only after the
+// scores (quant_attention, which dequantizes V into the buffer K used):
+// attend_scores runs steps 1-2 (and the probabilities) and returns P [M, T];
+// attend_values runs step 3 over V and writes the tile's output rows.
+template <typename T_>
+const T_* attend_scores(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0,
+                        int64_t Qt, const T_* q, const T_* K, const bool* valid, float scale,
+                        AttnScratch<T_>& w, float* probs_acc, bool first_head);
+template <typename T_>
+void attend_values(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+                   const T_* p, const T_* V, T_* out, AttnScratch<T_>& w);
+#define DLLM_ATTEND_PHASES(T_)                                                                 \
+  extern template const T_* attend_scores<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, \
+                                              int64_t, const T_*, const T_*, const bool*, float, \
+                                              AttnScratch<T_>&, float*, bool);                  \
+  extern template void attend_values<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t,       \
+                                         int64_t, const T_*, const T_*, T_*, AttnScratch<T_>&);
+DLLM_ATTEND_PHASES(float)
+DLLM_ATTEND_PHASES(c10::Half)
+DLLM_ATTEND_PHASES(c10::BFloat16)
+#undef DLLM_ATTEND_PHASES
+
 extern template void attend_tile<float>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,
                                         const float*, const float*, const float*, const bool*,
                                         float, float*, AttnScratch<float>&, float*, bool);

@@ -339,10 +339,13 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
   const int64_t Qt = cpu::query_tile(a), Tn = s.T, d = s.d;
   at::parallel_for(0, s.B * s.H_kv, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     // Dequantized K and V of one head, in the thread's kept scratch: a
-    // decode's calls do not page-fault fresh memory in every time.
-    const cpu::ThreadScratch<T> kv(2 * Tn * d);
+    // decode's calls do not page-fault fresh memory in every time. With a
+    // single query tile V is dequantized after the scores, into K's buffer
+    // (half the scratch: at T = 4096 one head's K and V would fill L2).
+    const bool one_tile = s.Q <= Qt;
+    const cpu::ThreadScratch<T> kv((one_tile ? 1 : 2) * Tn * d);
     T* k = kv.get();
-    T* v = k + Tn * d;
+    T* v = one_tile ? k : k + Tn * d;
     cpu::AttnScratch<T> w(Qt * a.G, Tn, d, /*with_probs=*/false);
     int st = 0;
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -352,9 +355,12 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
                              k + g * s.k.G * d))
           st |= m::kQuantBadProtIdx;
       const int64_t row0 = bh * Tn;
-      DLLM_ISA_CALL(isa, dequant_v_rows(s.v, vcodes + row0 * s.v.row_bytes,
-                                        vscale + row0 * s.v.n_groups, vmin + row0 * s.v.n_groups,
-                                        v, Tn));
+      auto dequant_v = [&] {
+        DLLM_ISA_CALL(isa, dequant_v_rows(s.v, vcodes + row0 * s.v.row_bytes,
+                                          vscale + row0 * s.v.n_groups,
+                                          vmin + row0 * s.v.n_groups, v, Tn));
+      };
+      if (!one_tile) dequant_v();
       const bool* valid = key_valid ? key_valid + b * Tn : nullptr;
       for (int64_t q0 = 0; q0 < s.Q; q0 += Qt) {
         const int64_t qn = std::min(Qt, s.Q - q0);
@@ -363,8 +369,15 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
             std::fill_n(out + ((b * s.Q + q0 + qi) * s.H + kvh * a.G) * d, a.G * d, T(0));
           continue;
         }
-        cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k, v, valid, scale, out, w,
-                         nullptr, false);
+        if (one_tile) {
+          const T* p = cpu::attend_scores(isa, a, b, kvh, q0, qn, q, k, valid, scale, w,
+                                          nullptr, false);
+          dequant_v();
+          cpu::attend_values(isa, a, b, kvh, q0, qn, p, v, out, w);
+        } else {
+          cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k, v, valid, scale, out, w, nullptr,
+                           false);
+        }
       }
     }
     status.add(st);

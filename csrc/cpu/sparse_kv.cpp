@@ -153,9 +153,9 @@ void gemm_f32acc(int64_t mm, int64_t nn, int64_t kk, const T_* a, int64_t lda, c
 }
 
 template <typename T_>
-void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
-                 const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
-                 AttnScratch<T_>& w, float* probs_acc, bool first_head) {
+const T_* attend_scores(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0,
+                        int64_t Qt, const T_* q, const T_* K, const bool* valid, float scale,
+                        AttnScratch<T_>& w, float* probs_acc, bool first_head) {
   const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
   // Q_tile^T [d, M]: column r = qi * G + g is query q0 + qi of head kvh * G + g.
   // The G heads of one query are adjacent in q, so rows are copied G at a time.
@@ -182,6 +182,13 @@ void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0
   } else {
     DLLM_ISA_CALL(isa, normalize_transpose(w.st.data(), w.inv.data(), T, M, w.p.data()));
   }
+  return p;
+}
+
+template <typename T_>
+void attend_values(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+                   const T_* p, const T_* V, T_* out, AttnScratch<T_>& w) {
+  const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
   gemm_f32acc<T_>(M, d, T, p, T, V, d, w.o.data(), d);
   for (int64_t qi = 0; qi < Qt; ++qi) {  // the G heads of a query are adjacent in out
     T_* dst = out + ((b * s.Q + q0 + qi) * s.H + kvh * G) * d;
@@ -189,11 +196,30 @@ void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0
   }
 }
 
+template <typename T_>
+void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
+                 const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
+                 AttnScratch<T_>& w, float* probs_acc, bool first_head) {
+  const T_* p = attend_scores(isa, s, b, kvh, q0, Qt, q, K, valid, scale, w, probs_acc, first_head);
+  attend_values(isa, s, b, kvh, q0, Qt, p, V, out, w);
+}
+
 int64_t query_tile(const AttnShape& s) {
   int64_t qt = std::max<int64_t>(1, 64 / s.G);
   qt = std::min(qt, std::max<int64_t>(1, (int64_t{1} << 20) / (s.G * s.T)));
   return std::min(qt, s.Q);
 }
+
+#define DLLM_ATTEND_PHASES(T_)                                                                \
+  template const T_* attend_scores<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t, \
+                                       const T_*, const T_*, const bool*, float,                 \
+                                       AttnScratch<T_>&, float*, bool);                          \
+  template void attend_values<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,      \
+                                  const T_*, const T_*, T_*, AttnScratch<T_>&);
+DLLM_ATTEND_PHASES(float)
+DLLM_ATTEND_PHASES(c10::Half)
+DLLM_ATTEND_PHASES(c10::BFloat16)
+#undef DLLM_ATTEND_PHASES
 
 template void attend_tile<float>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,
                                  const float*, const float*, const float*, const bool*, float,
