@@ -172,7 +172,6 @@ bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
                      const T* prot_val, T* out) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
-  const uint32_t mask = static_cast<uint32_t>(m::quant_levels(bits));
   const int64_t d = s.d, u = bh * s.n_groups + g;
   const int n_real = m::group_tokens(s.T, G, g);
   const uint8_t* pidx = prot_idx + u * p;
@@ -180,18 +179,16 @@ bool dequant_k_group(cpu::Isa isa, const QuantKShape& s, int64_t bh, int64_t g,
   float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
   bool finite;  // every scale and min: then no dequantized value is a NaN
   DLLM_ISA_CALL(isa, widen_scale_min(scale + u * d, mn + u * d, d, sf, mf, &finite));
-  const uint8_t* crow0 = codes + (bh * s.rows + g * (G / n)) * d;
-  for (int j = 0; j < n_real; ++j) {
-    T* o = out + j * d;
-    const int slot = m::prot_slot_of(pidx, p, j);
-    if (slot >= 0) {
-      const T* pv = prot_val + (u * p + slot) * d;
-      std::copy_n(pv, d, o);
-      continue;
-    }
-    DLLM_ISA_CALL(isa, dequant_row(crow0 + (j / n) * d, sf, mf, o, d, bits * (j % n), mask,
-                                   finite, isa == cpu::Isa::kAvx512Bf16));
+  bool prot[m::kQuantMaxGroup] = {};
+  for (int slot = 0; slot < p; ++slot) {
+    const int j = pidx[slot];
+    if (j == m::kProtUnused) continue;
+    prot[j] = true;
+    std::copy_n(prot_val + (u * p + slot) * d, d, out + j * d);
   }
+  DLLM_ISA_CALL(isa, dequant_k_rows(codes + (bh * s.rows + g * (G / n)) * d, sf, mf, out, d,
+                                    n_real, bits, p > 0 ? prot : nullptr, finite,
+                                    isa == cpu::Isa::kAvx512Bf16));
   return true;
 }
 

@@ -272,7 +272,8 @@ __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE int64_t dequant_row_bf16
     __m512 lo, hi;
     std::memcpy(&lo, &v[0], sizeof(lo));
     std::memcpy(&hi, &v[1], sizeof(hi));
-    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) {  // subnormal
+    if (!_kortestz_mask16_u8(_mm512_fpclass_ps_mask(lo, 0x20),  // a subnormal sum
+                             _mm512_fpclass_ps_mask(hi, 0x20))) {
       store32_bf16(v, finite_sm, o + c0);
     } else {
       const __m512bh r = _mm512_cvtne2ps_pbh(hi, lo);
@@ -335,6 +336,33 @@ DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float
     prod[c] = static_cast<float>(static_cast<int32_t>((crow[c0 + c] >> shift) & mask)) * sf[c0 + c];
   asm volatile("" : : "r"(prod) : "memory");
   for (int64_t c = 0; c < n; ++c) o[c0 + c] = E::store(prod[c] + mf[c0 + c]);
+}
+
+// The rows of one K group into out (row stride d): token j from byte row
+// j / n at bit bits * (j % n) (n = 8 / bits), skipping the tokens marked in
+// prot (protected ones, which the caller copies; null: none).
+template <typename T>
+DLLM_CPU_NOINLINE void dequant_k_rows(const uint8_t* crow0, const float* sf, const float* mf,
+                                      T* out, int64_t d, int n_real, int bits, const bool* prot,
+                                      bool finite_sm, bool bf16_insn) {
+  const int n = 8 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  for (int j = 0; j < n_real; ++j) {
+    if (prot && prot[j]) continue;
+    const uint8_t* crow = crow0 + (j / n) * d;
+    const int shift = bits * (j % n);
+    T* o = out + j * d;
+    int64_t c0 = 0;
+#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 16
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_insn)  // straight to the 32-value loop: one call a row
+        c0 = dequant_row_bf16_insn(crow, sf, mf, reinterpret_cast<uint16_t*>(o), d, shift, mask,
+                                   finite_sm);
+    }
+#endif
+    if (c0 < d)
+      dequant_row(crow + c0, sf + c0, mf + c0, o + c0, d - c0, shift, mask, finite_sm, bf16_insn);
+  }
 }
 
 // Eight fp32 lanes: one GCC vector type in every copy (two SSE registers in
