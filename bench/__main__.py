@@ -10,7 +10,7 @@ as a % of a copy that moves the case's own byte count (%copy@size: on a CPU
 whose last-level cache holds the case, the yardstick of the cache the op
 actually streams from) and the baseline-time / kernel-time speed-up. On the
 CPU it also reports the instruction set the kernels run (csrc/cpu/isa.h;
-DLLM_CPU_ISA=generic|avx2|avx512 caps it).
+DLLM_CPU_ISA=generic|avx2|avx512|avx512bf16 caps it).
 """
 from __future__ import annotations
 

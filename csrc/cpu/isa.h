@@ -15,8 +15,8 @@
 // call site picks the copy with DLLM_ISA_CALL(isa, f(args)), isa from
 // active_isa(op): the widest level this CPU runs, capped by the DLLM_CPU_ISA
 // environment variable (generic | avx2 | avx512 | avx512bf16; read on every
-// call, so a test can run the narrower levels on a wide machine). `python -m bench ops`
-// reports the set in use (torch.ops.dllm_cpu.isa, csrc/cpu/isa.cpp).
+// call, so a test can run the narrower levels on a wide machine). `python -m
+// bench ops` reports the level in use (torch.ops.dllm_cpu.isa, csrc/cpu/isa.cpp).
 //
 // Numerics. A copy compiled with FMA lets GCC contract a * b + c, which can
 // change the last bit. So a kernels header either allows for that in its tests

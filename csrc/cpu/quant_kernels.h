@@ -247,8 +247,9 @@ inline void dequant32_sums(const __m256i code, const float* sf, const float* mf,
 // a finite scale plus a finite min is finite or infinite), so the NaN select
 // is skipped.
 inline void store32_bf16(const F32x16 (&v)[2], bool finite_sm, uint16_t* o) {
-  const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35,
-                                        33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37,
+                                        35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7,
+                                        5, 3, 1);
   _mm512_storeu_si512(o, _mm512_maskz_permutex2var_epi16(~0u, bf16_round_high(v[0], finite_sm),
                                                          high, bf16_round_high(v[1], finite_sm)));
 }
@@ -353,7 +354,7 @@ DLLM_CPU_NOINLINE void dequant_k_rows(const uint8_t* crow0, const float* sf, con
     const int shift = bits * (j % n);
     T* o = out + j * d;
     int64_t c0 = 0;
-#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 16
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (bf16_insn)  // straight to the 32-value loop: one call a row
         c0 = dequant_row_bf16_insn(crow, sf, mf, reinterpret_cast<uint16_t*>(o), d, shift, mask,
@@ -603,15 +604,15 @@ struct VLookup;
 template <>
 struct VLookup<float> {  // 16 lanes, vpermps
   static constexpr int W = 16;
-  // byte k of the 16 a lookup reads (in the low bytes of x): packed[k / n]
+  // The index lanes of one lookup from its packed bytes x (n = 8 / bits codes
+  // a byte): lane k is byte k / n shifted right by bits * (k % n).
   template <int bits>
   static __m512i indices(__m128i x) {
     const __m128i pick = bits == 4 ? _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
                                    : _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i shift = bits == 4 ? _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0)
-                                    : _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
-    return _mm512_maskz_srlv_epi32(0xffff, _mm512_maskz_cvtepu8_epi32(0xffff, _mm_shuffle_epi8(x, pick)),
-                                   shift);
+    const __m512i shift = bits == 4 ? _mm512_set4_epi32(4, 0, 4, 0) : _mm512_set4_epi32(6, 4, 2, 0);
+    const __m512i bytes = _mm512_maskz_cvtepu8_epi32(0xffff, _mm_shuffle_epi8(x, pick));
+    return _mm512_maskz_srlv_epi32(0xffff, bytes, shift);
   }
   template <int bits>
   static __m512i table(const float* t) {
@@ -626,7 +627,7 @@ template <>
 struct VLookup<uint16_t> {  // bf16 / fp16 bits: 32 lanes, vpermw
   static constexpr int W = 32;
   template <int bits>
-  static __m512i indices(__m128i x) {
+  static __m512i indices(__m128i x) {  // as VLookup<float>::indices, in 16-bit lanes
     // The 16 bytes in both 128-bit halves; each half's shuffle picks its 16.
     const __m256i pick =
         bits == 4 ? _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9,
