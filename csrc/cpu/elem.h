@@ -16,14 +16,24 @@
 namespace dllm {
 namespace cpu {
 
-// fp32 bits b -> bf16 bits in the low 16 bits of r, round to nearest even;
-// NaN stays a (quiet) NaN. U is uint32_t or a GCC vector of them, so vector
-// loops round exactly as the scalar store does (by reference: GCC warns about
-// the ABI of wide vector arguments and results).
+// fp32 bits b -> bf16 bits in the HIGH 16 bits of r (the low 16 are not
+// cleared), round to nearest even; NaN stays a (quiet) NaN. nan_free: the
+// caller knows no b is a NaN, so the NaN select is left out. U is uint32_t or
+// a GCC vector of them, so vector loops round exactly as the scalar store
+// does (by reference: GCC warns about the ABI of wide vector arguments and
+// results).
+template <typename U>
+static inline __attribute__((always_inline)) void bf16_round_high_bits(const U& b, U& r,
+                                                                       bool nan_free = false) {
+  r = b + 0x7fffu + ((b >> 16) & 1u);
+  if (!nan_free) r = (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x00400000u) : r;
+}
+
+// As bf16_round_high_bits, the bf16 bits in the low 16 bits of r.
 template <typename U>
 static inline __attribute__((always_inline)) void bf16_round_bits(const U& b, U& r) {
-  const U rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  r = (b & 0x7fffffffu) > 0x7f800000u ? ((b >> 16) | 0x40u) : rounded;
+  bf16_round_high_bits(b, r);
+  r = r >> 16;
 }
 
 // fp32 -> bf16 bits, as bf16_round_bits.

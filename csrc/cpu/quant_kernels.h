@@ -164,11 +164,11 @@ inline void widen_codes(const U8x16& c, I32x16& r) {
 #endif
 }
 
-// x in all 16 lanes (F32x16{} + x would turn a -0 into +0).
-inline F32x16 splat16(float x) {
-  F32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = x;
-  return v;
+// x in all 16 lanes (F32x16{} + x would turn a -0 into +0; a loop storing
+// the lanes one by one becomes 16 masked broadcasts in the AVX-512 copy).
+// (Into v: wide vectors pass by reference, as in widen_codes.)
+inline void splat16(float x, F32x16& v) {
+  v = F32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
 // Makes v a value GCC must treat as unknown (an empty asm on each of its
@@ -181,18 +181,24 @@ inline void opaque(F32x16& v) {
   std::memcpy(&v, part, sizeof(v));
 }
 
-// Sixteen dequantized values into o: code * s rounded, then + m rounded, then
-// rounded to T -- math::dequant_value's steps, each an IEEE fp32 operation;
-// the product passes through opaque, so no copy fuses it with the sum
-// into an FMA.
+// code * s rounded, then + m rounded -- math::dequant_value's steps, each an
+// IEEE fp32 operation, for 16 codes given as floats; the product passes
+// through opaque, so no copy fuses it with the sum into an FMA. (Into v:
+// wide vectors pass by reference, as in widen_codes.)
+inline void dequant_sum(const F32x16& code, const F32x16& s, const F32x16& m, F32x16& v) {
+  F32x16 prod = code * s;
+  opaque(prod);
+  v = prod + m;
+}
+
+// Sixteen dequantized values into o: dequant_sum, then rounded to T.
 template <typename T>
 inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
                       typename cpu::Elem<T>::Bits* o) {
   I32x16 ci;
   widen_codes(code, ci);
-  F32x16 prod = __builtin_convertvector(ci, F32x16) * s;
-  opaque(prod);
-  const F32x16 v = prod + m;
+  F32x16 v;
+  dequant_sum(__builtin_convertvector(ci, F32x16), s, m, v);
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(o, &v, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -210,20 +216,18 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
 #endif  // DLLM_QUANT_SHUFFLE
 
 #if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
-// fp32 lanes rounded to bf16 as cpu::bf16_round_bits, each result left in
-// the high half of its 32-bit lane. no_nan: no lane is a NaN, so the NaN
-// select is skipped.
+// fp32 lanes rounded to bf16, each result in the high half of its 32-bit
+// lane (cpu::bf16_round_high_bits; no_nan: no lane is a NaN).
 inline __m512i bf16_round_high(const F32x16& v, bool no_nan) {
-  U32x16 b;
+  U32x16 b, r;
   std::memcpy(&b, &v, sizeof(b));
-  U32x16 r = b + 0x7fffu + ((b >> 16) & 1u);
-  if (!no_nan) r = (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x00400000u) : r;
+  cpu::bf16_round_high_bits(b, r, no_nan);
   __m512i out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
 }
 
-// bf16 rows, 32 values at a time (AVX-512 copy): dequant16's sums for 32
+// bf16 rows, 32 values at a time (AVX-512 copy): dequant_sum for 32
 // codes under sf / mf [32], in two registers.
 inline void dequant32_sums(const __m256i code, const float* sf, const float* mf, F32x16 (&v)[2]) {
   U8x16 c[2];
@@ -234,9 +238,7 @@ inline void dequant32_sums(const __m256i code, const float* sf, const float* mf,
     F32x16 s, m;
     std::memcpy(&s, sf + 16 * h, sizeof(s));
     std::memcpy(&m, mf + 16 * h, sizeof(m));
-    F32x16 prod = __builtin_convertvector(ci, F32x16) * s;
-    opaque(prod);
-    v[h] = prod + m;
+    dequant_sum(__builtin_convertvector(ci, F32x16), s, m, v[h]);
   }
 }
 
@@ -614,11 +616,6 @@ struct VLookup<float> {  // 16 lanes, vpermps
     const __m512i bytes = _mm512_maskz_cvtepu8_epi32(0xffff, _mm_shuffle_epi8(x, pick));
     return _mm512_maskz_srlv_epi32(0xffff, bytes, shift);
   }
-  template <int bits>
-  static __m512i table(const float* t) {
-    return _mm512_castps_si512(bits == 4 ? _mm512_loadu_ps(t)
-                                         : _mm512_maskz_broadcast_f32x4(0xffff, _mm_loadu_ps(t)));
-  }
   static void lookup(__m512i idx, __m512i table, float* o) {
     _mm512_storeu_ps(o, _mm512_maskz_permutexvar_ps(0xffff, idx, _mm512_castsi512_ps(table)));
   }
@@ -641,7 +638,7 @@ struct VLookup<uint16_t> {  // bf16 / fp16 bits: 32 lanes, vpermw
     return _mm512_maskz_srlv_epi16(~0u, _mm512_maskz_cvtepu8_epi16(~0u, bytes), shift);
   }
   template <int bits>
-  static __m512i table(const uint16_t* t) {
+  static __m512i table(const uint16_t* t) {  // 16 rounded entries (fp16's v_table)
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t));
     return bits == 4 ? _mm512_maskz_broadcast_i64x4(0xff, v)
                      : _mm512_maskz_broadcastq_epi64(0xff, _mm256_castsi256_si128(v));
@@ -651,7 +648,7 @@ struct VLookup<uint16_t> {  // bf16 / fp16 bits: 32 lanes, vpermw
   }
 };
 
-// A group's table from v = dequant16's sum for the codes 0 .. 15 (lane =
+// A group's table from v = dequant_sum of the codes 0 .. 15 (lane =
 // code), rounded to T and laid out as VLookup<>::lookup reads it.
 template <typename T, int bits>
 inline __m512i v_table(const F32x16& v, bool no_nan) {
@@ -733,9 +730,11 @@ DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t
                           _mm512_fpclass_ps_mask(_mm512_load_ps(mv), 0x99);
     const bool no_nan = bad == 0;
     for (int j = 0; j < k; ++j) {
-      F32x16 prod = code_f * sv[j];
-      opaque(prod);
-      const __m512i table = v_table<T, bits>(prod + mv[j], no_nan);
+      F32x16 s, m, sum;
+      splat16(sv[j], s);
+      splat16(mv[j], m);
+      dequant_sum(code_f, s, m, sum);
+      const __m512i table = v_table<T, bits>(sum, no_nan);
       for (int64_t c = grp * G; c < (grp + 1) * G; c += L::W) {
         const uint8_t* p = crow + c * bits / 8;
         __m128i x;  // exactly the lookup's bytes: a wider load could leave the tensor
@@ -768,7 +767,9 @@ void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, c
   if (G >= 16) {  // G is a power of two: whole vectors of 16
     auto* o = reinterpret_cast<typename cpu::Elem<T>::Bits*>(out);
     for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-      const F32x16 sv = splat16(widen(scale[grp])), mv = splat16(widen(mn[grp]));
+      F32x16 sv, mv;
+      splat16(widen(scale[grp]), sv);
+      splat16(widen(mn[grp]), mv);
       for (int64_t c = grp * G; c < (grp + 1) * G; c += 16) {
         const __m128i code = s.bits == 4 ? v_codes16<4>(codes, c) : v_codes16<2>(codes, c);
         U8x16 cb;
