@@ -338,6 +338,50 @@ def test_quant_cpu_narrow_isa(monkeypatch, isa):
             test_quantize_v_matches_reference("cpu", dtype, bits)
 
 
+def _near_tie_groups(g, dtype, bits, n, G):
+    """[n, G] groups (one range each) whose values sit at, and a few ulps
+    around, (k + 1/2) * s over their stored scale s: entry 0 is the group's
+    min 0, entry 1 its max, the rest next to the rounding ties of the codes.
+    Half the groups have a power-of-two scale (exact ties), half a random one."""
+    levels = 2 ** bits - 1
+    iv = {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+    e = torch.randint(-6, 6, (n, 1), generator=g).float()
+    hi = torch.where(torch.arange(n)[:, None] % 2 == 0, levels * torch.exp2(e),
+                     torch.rand(n, 1, generator=g) * 20 + 0.05).to(dtype)
+    s = (hi.float() / levels).to(dtype).double()       # the stored scale, as quantization rounds it
+    k = torch.randint(0, levels, (n, G), generator=g).double()
+    x = ((k + 0.5) * s).to(dtype)
+    step = torch.randint(-2, 3, (n, G), generator=g).to(iv)
+    x = (x.view(iv) + step).view(dtype)                 # -2 .. +2 ulps from the tie
+    x = torch.minimum(torch.maximum(x, torch.zeros((), dtype=dtype)), hi)
+    x[:, 0], x[:, 1] = 0, hi[:, 0]
+    return x
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16"])
+def test_quantize_cpu_codes_at_rounding_ties(monkeypatch, isa):
+    """Values whose quotient (x - min) / scale lies on or within a few ulps of
+    a half-integer, where a code's round-half-even decides: the AVX2 / AVX-512
+    copies multiply by the scale's reciprocal and redo the division only near
+    such ties (csrc/cpu/quant_kernels.h, quant_codes16), so every copy must
+    still give the oracle's codes for K and V, every dtype and width."""
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    g = _gen(31)
+    for dtype in DTYPES:
+        for bits in BITS:
+            G, d, n = 32, 128, 256
+            x = _near_tie_groups(g, dtype, bits, n, G)            # n groups of G
+            ties = ((x.double() / (x[:, 1:2].double() / (2 ** bits - 1))) % 1 == 0.5).sum()
+            assert ties > 0, "no exact tie generated"
+            v = x.reshape(1, 1, n * G // d, d)                   # V: groups along channels
+            _assert_equal(tuple(dllm_ops.quantize_v(v, bits, G))[:3], reference.quantize_v(v, bits, G),
+                          ("codes", "scale", "min"), f"V {dtype} bits={bits}")
+            k = x.reshape(n // d, d, G).transpose(1, 2).reshape(1, 1, n // d * G, d)
+            got = dllm_ops.quantize_k(k, bits, G)                # K: groups along tokens
+            _assert_equal(tuple(got)[:5], reference.quantize_k(k, bits, G, 0, None), K_NAMES,
+                          f"K {dtype} bits={bits}")
+
+
 def test_k_quant_error_cpu_same_bits_on_every_isa(monkeypatch):
     """k_quant_error sums its squares in the same 8 lanes, with no FMA, in
     every instruction-set copy (csrc/cpu/quant_kernels.h, sq_error_row): the

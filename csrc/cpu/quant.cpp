@@ -64,36 +64,6 @@ int select_protected(const float* imp, int n_real, int p, uint8_t* slot_of, int*
   return np;
 }
 
-// Per-channel stored scale/min of one group over the tokens with
-// slot_of[j] == kProtUnused (all tokens when slot_of is null); fills sf / mf
-// with the stored values widened to fp32 (and scale_out / min_out, when
-// given, with the stored values). The row loops run in the copy for isa.
-template <typename T>
-void k_group_ranges(cpu::Isa isa, const QuantKShape& s, const T* x, int n_real,
-                    const uint8_t* slot_of, T* scale_out, T* min_out, float* sf, float* mf,
-                    int& status) {
-  const int64_t d = s.d;
-  float lo[m::kQuantMaxHeadDim], hi[m::kQuantMaxHeadDim];
-  std::fill_n(lo, d, INFINITY);
-  std::fill_n(hi, d, -INFINITY);
-  int bad = 0;
-  for (int j = 0; j < n_real; ++j) {
-    const T* row = x + j * d;
-    if (slot_of == nullptr || slot_of[j] == m::kProtUnused) {
-      DLLM_ISA_CALL(isa, range_row(row, lo, hi, d, &bad));
-    } else {
-      DLLM_ISA_CALL(isa, nonfinite_row(row, d, &bad));
-    }
-  }
-  if (bad) status |= m::kQuantNonFinite;
-  T scale_buf[m::kQuantMaxHeadDim], min_buf[m::kQuantMaxHeadDim];
-  int overflow = 0;
-  DLLM_ISA_CALL(isa, scale_min_row(lo, hi, d, static_cast<int>(s.bits),
-                                   scale_out ? scale_out : scale_buf, min_out ? min_out : min_buf,
-                                   sf, mf, &overflow));
-  if (overflow) status |= m::kQuantRangeOverflow;
-}
-
 template <typename T>
 void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const float* imp,
                        bool imp_per_head, uint8_t* codes, T* scale, T* mn, uint8_t* prot_idx,
@@ -105,7 +75,6 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
     int st = 0;
     uint8_t slot_of[m::kQuantMaxGroup];
     int chosen[m::kQuantMaxProtect];
-    float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % s.n_groups, bh = u / s.n_groups;
       const int n_real = m::group_tokens(s.T, G, g);
@@ -118,14 +87,9 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
       } else {
         std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
       }
-      k_group_ranges(isa, s, x, n_real, slot_of, scale + u * d, mn + u * d, sf, mf, st);
-      uint8_t* out = codes + (bh * s.rows + g * rows_per_group) * d;
-      std::fill_n(out, rows_per_group * d, uint8_t{0});
-      for (int j = 0; j < n_real; ++j) {
-        if (slot_of[j] != m::kProtUnused) continue;
-        DLLM_ISA_CALL(isa, or_codes_row(x + j * d, sf, mf, out + (j / n) * d, d, bits,
-                                        bits * (j % n)));
-      }
+      DLLM_ISA_CALL(isa, quantize_k_group(x, d, n_real, G, bits, slot_of, scale + u * d,
+                                          mn + u * d, codes + (bh * s.rows + g * rows_per_group) * d,
+                                          &st));
       for (int sl = 0; sl < p; ++sl) {
         prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
         T* pv = prot_val + (u * p + sl) * d;
@@ -229,18 +193,19 @@ void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float*
   const int64_t d = s.d;
   at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     int st = 0;
-    float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim];
+    float sf[m::kQuantMaxHeadDim], mf[m::kQuantMaxHeadDim], rf[m::kQuantMaxHeadDim];
     uint8_t code[m::kQuantMaxHeadDim];
     T deq[m::kQuantMaxHeadDim];
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % s.n_groups, bh = u / s.n_groups;
       const int n_real = m::group_tokens(s.T, G, g);
       const T* x = k + (bh * s.T + g * G) * d;
-      k_group_ranges<T>(isa, s, x, n_real, nullptr, nullptr, nullptr, sf, mf, st);
+      DLLM_ISA_CALL(isa, k_group_ranges<T>(x, d, n_real, bits, nullptr, nullptr, nullptr, sf, mf, rf,
+                                        &st));
       for (int j = 0; j < n_real; ++j) {
         // the row's codes and dequantized values, as quantize_k / dequantize_k make them
         const T* row = x + j * d;
-        DLLM_ISA_CALL(isa, codes_row(row, sf, mf, code, d, bits));
+        DLLM_ISA_CALL(isa, codes_row(row, sf, mf, rf, code, d, bits));
         DLLM_ISA_CALL(isa, dequant_row(code, sf, mf, deq, d, 0, 0xffu, false,
                                        isa == cpu::Isa::kAvx512Bf16));
         DLLM_ISA_CALL(isa, sq_error_row(row, deq, d, err + bh * s.T + g * G + j));
@@ -284,9 +249,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_v_cpu(const at::Tensor& 
     scalar_t *sp = o.scale.mutable_data_ptr<scalar_t>(), *mp = o.mn.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, s.B * s.H * s.T, cpu::kGrainQuantRows, [&](int64_t begin, int64_t end) {
       int st = 0;
-      for (int64_t row = begin; row < end; ++row)
-        DLLM_ISA_CALL(isa, quantize_v_row(s, x + row * s.d, cp + row * s.row_bytes,
-                                          sp + row * s.n_groups, mp + row * s.n_groups, st));
+      DLLM_ISA_CALL(isa, quantize_v_rows(s, x + begin * s.d, cp + begin * s.row_bytes,
+                                         sp + begin * s.n_groups, mp + begin * s.n_groups,
+                                         end - begin, st));
       status.add(st);
     });
   });

@@ -16,29 +16,6 @@
 // into a generic caller, GCC loses their restrict guarantees and keeps them
 // scalar.
 
-// Codes of one token row OR-ed into its byte row at bit `shift`, under the
-// per-channel stored scale / min sf[c], mf[c].
-template <typename T>
-DLLM_CPU_NOINLINE void or_codes_row(const T* row_, const float* __restrict__ sf,
-                                    const float* __restrict__ mf, uint8_t* __restrict__ orow,
-                                    int64_t d, int bits, int shift) {
-  using E = cpu::Elem<T>;
-  const auto* __restrict__ row = reinterpret_cast<const typename E::Bits*>(row_);
-  for (int64_t c = 0; c < d; ++c)
-    orow[c] |= static_cast<uint8_t>(math::quant_code(E::load(row[c]), sf[c], mf[c], bits) << shift);
-}
-
-// Codes (one per byte) of one row under per-element stored scale / min.
-template <typename T>
-DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
-                                 const float* __restrict__ mf, uint8_t* __restrict__ out, int64_t d,
-                                 int bits) {
-  using E = cpu::Elem<T>;
-  const auto* __restrict__ x = reinterpret_cast<const typename E::Bits*>(x_);
-  for (int64_t c = 0; c < d; ++c)
-    out[c] = static_cast<uint8_t>(math::quant_code(E::load(x[c]), sf[c], mf[c], bits));
-}
-
 // One K token row folded into the per-channel running min / max lo, hi [d]
 // (the tie and NaN rule of the generic loop: v replaces lo[c] only when
 // v < lo[c]). Sets *bad when the row holds a NaN or an infinity.
@@ -120,6 +97,19 @@ DLLM_CPU_NOINLINE void scale_min_row(const float* __restrict__ lo, const float* 
     bad |= !math::is_finite(sf[c]);
   }
   if (bad) *overflow = 1;
+}
+
+// 1 / s when that is a normal fp32 number, else NaN: what quantization
+// multiplies by in place of dividing by a stored scale s (quant_codes16).
+inline float code_recip(float s) {
+  const float r = 1.f / s;
+  return r >= FLT_MIN && r <= FLT_MAX ? r : NAN;
+}
+
+// rf[c] = code_recip(sf[c]).
+DLLM_CPU_NOINLINE inline void recip_row(const float* __restrict__ sf, float* __restrict__ rf,
+                                        int64_t n) {
+  for (int64_t c = 0; c < n; ++c) rf[c] = code_recip(sf[c]);
 }
 
 // A row widened to fp32.
@@ -441,35 +431,104 @@ inline math::QuantRange merge_lanes(const Lanes8& lo_in, const Lanes8& hi_in) {
 }
 
 #if DLLM_QUANT_SHUFFLE
-// math::quant_code of 16 values x under one group's stored scale / min, as 16
-// code bytes: the same IEEE operations (subtract, divide, the round-half-even
-// add / subtract pair), then the clamps as max / min, which return their
-// second operand when unordered or equal, so a NaN quotient becomes 0 as
-// quant_code's selects make it. Intrinsics: one 16-lane register in the
-// AVX-512 copy, two 8-lane ones in the AVX2 copy (where GCC scalarizes the
-// selects and the narrowing of a 16-lane generic vector).
-inline __m128i quant_codes16(const float* x, float sc, float mn, float top) {
+// 16 values of T widened to fp32 lanes (exact: bf16 is the high half of an
+// fp32, fp16 converts with F16C), by intrinsics: GCC turns a 16-lane
+// convertvector into two 8-lane widenings and an insert, three shuffles
+// where one does. (Into v: wide vectors pass by reference, as in
+// widen_codes.)
+template <typename T>
+inline void load16(const T* x, F32x16& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, x, sizeof(v));
+  } else {
 #if DLLM_VEC_FLOATS >= 16
-  const __m512 s = _mm512_set1_ps(sc), m = _mm512_set1_ps(mn), t = _mm512_set1_ps(top);
-  const __m512 magic = _mm512_set1_ps(math::kRoundMagic), zero = _mm512_setzero_ps();
-  __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x), m), s);
-  v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic);
-  // (masked forms with every lane set: GCC 12 warns on the unmasked ones)
-  v = _mm512_maskz_min_ps(0xffff, _mm512_maskz_max_ps(0xffff, v, zero), t);
-  const __m128i code = _mm512_maskz_cvtepi32_epi8(0xffff, _mm512_maskz_cvttps_epi32(0xffff, v));
-  return sc > 0.f ? code : _mm_setzero_si128();
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    __m512 w;
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      w = _mm512_castsi512_ps(
+          _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, h), 16));
+    else
+      w = _mm512_maskz_cvtph_ps(0xffff, h);  // (masked forms: GCC 12 warns on the unmasked ones)
+    std::memcpy(&v, &w, sizeof(v));
 #else
-  const __m256 s = _mm256_set1_ps(sc), m = _mm256_set1_ps(mn), t = _mm256_set1_ps(top);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x) + half);
+      __m256 w;
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      else
+        w = _mm256_cvtph_ps(h);
+      std::memcpy(reinterpret_cast<float*>(&v) + 8 * half, &w, sizeof(w));
+    }
+#endif
+  }
+}
+
+// Quantization multiplies by r = code_recip(s) where math::quant_code
+// divides by the stored scale s; lanes where that could give another code
+// take the division (quant_codes16). Why a product rounds the same: with r
+// within 2^-24 (relative) of 1 / s, the product (x - m) * r (or its fused
+// form) and the quotient (x - m) / s both lie within 3 * 2^-24 of their size
+// of the exact ratio, i.e. within 2^-18.4 of each other while it is below
+// 16.5. So when the product is farther than 2^-16 from a half-integer, both
+// round to the same integer; past 16.5 (or below -0.5) both clamp to the
+// same end. r is NaN when 1 / s is not a normal fp32 number (s = 0, a
+// subnormal s below 2^-128, s above 2^126), which makes every lane under s
+// unsure.
+constexpr float kTieMargin = 0.5f - 0x1p-16f;
+
+// math::quant_code of 16 values x under per-lane stored scale s, min m and
+// r = code_recip(s), as 16 code bytes: the subtraction, the product by r and
+// the round-half-even add / subtract pair; lanes whose product lies within
+// 2^-16 of a half-integer (or is NaN) redo the division as quant_code does.
+// Then the clamps as max / min, which return their second operand when
+// unordered or equal (a NaN becomes 0, as quant_code's selects make it), and
+// code 0 where s > 0 fails. Intrinsics: one 16-lane register in the AVX-512
+// copy, two 8-lane ones in the AVX2 copy (where GCC scalarizes the selects
+// and the narrowing of a 16-lane generic vector).
+inline __m128i quant_codes16(const F32x16& x, const F32x16& s, const F32x16& m, const F32x16& r,
+                             float top) {
+#if DLLM_VEC_FLOATS >= 16
+  __m512 xv, sv, mv, rv;
+  std::memcpy(&xv, &x, sizeof(xv));
+  std::memcpy(&sv, &s, sizeof(sv));
+  std::memcpy(&mv, &m, sizeof(mv));
+  std::memcpy(&rv, &r, sizeof(rv));
+  const __m512 magic = _mm512_set1_ps(math::kRoundMagic), zero = _mm512_setzero_ps();
+  const __m512 a = _mm512_sub_ps(xv, mv), prod = _mm512_mul_ps(a, rv);
+  __m512 v = _mm512_sub_ps(_mm512_add_ps(prod, magic), magic);
+  const __mmask16 pos = _mm512_cmp_ps_mask(sv, zero, _CMP_GT_OQ);
+  const __mmask16 unsure = _mm512_mask_cmp_ps_mask(
+      pos, _mm512_abs_ps(_mm512_sub_ps(v, prod)), _mm512_set1_ps(kTieMargin), _CMP_NLT_UQ);
+  if (unsure != 0)
+    v = _mm512_mask_sub_ps(v, unsure, _mm512_add_ps(_mm512_div_ps(a, sv), magic), magic);
+  // (masked forms with every lane set: GCC 12 warns on the unmasked ones)
+  v = _mm512_maskz_min_ps(0xffff, _mm512_maskz_max_ps(0xffff, v, zero), _mm512_set1_ps(top));
+  return _mm512_maskz_cvtepi32_epi8(pos, _mm512_maskz_cvttps_epi32(0xffff, v));
+#else
   const __m256 magic = _mm256_set1_ps(math::kRoundMagic), zero = _mm256_setzero_ps();
+  const __m256 t = _mm256_set1_ps(top), margin = _mm256_set1_ps(kTieMargin);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m128i half[2];
   for (int h = 0; h < 2; ++h) {
-    __m256 v = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + 8 * h), m), s);
-    v = _mm256_sub_ps(_mm256_add_ps(v, magic), magic);
-    v = _mm256_min_ps(_mm256_max_ps(v, zero), t);
+    __m256 xv, sv, mv, rv;
+    std::memcpy(&xv, reinterpret_cast<const float*>(&x) + 8 * h, sizeof(xv));
+    std::memcpy(&sv, reinterpret_cast<const float*>(&s) + 8 * h, sizeof(sv));
+    std::memcpy(&mv, reinterpret_cast<const float*>(&m) + 8 * h, sizeof(mv));
+    std::memcpy(&rv, reinterpret_cast<const float*>(&r) + 8 * h, sizeof(rv));
+    const __m256 a = _mm256_sub_ps(xv, mv), prod = _mm256_mul_ps(a, rv);
+    __m256 v = _mm256_sub_ps(_mm256_add_ps(prod, magic), magic);
+    const __m256 pos = _mm256_cmp_ps(sv, zero, _CMP_GT_OQ);
+    const __m256 unsure = _mm256_and_ps(
+        pos, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(v, prod), abs_mask), margin, _CMP_NLT_UQ));
+    if (_mm256_movemask_ps(unsure) != 0)
+      v = _mm256_blendv_ps(
+          v, _mm256_sub_ps(_mm256_add_ps(_mm256_div_ps(a, sv), magic), magic), unsure);
+    v = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(v, zero), t), pos);
     const __m256i q = _mm256_cvttps_epi32(v);
     half[h] = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
   }
-  return sc > 0.f ? _mm_packus_epi16(half[0], half[1]) : _mm_setzero_si128();
+  return _mm_packus_epi16(half[0], half[1]);
 #endif
 }
 
@@ -491,66 +550,328 @@ inline void pack_codes16(__m128i code, uint8_t* out) {
 }
 #endif
 
+#if DLLM_QUANT_SHUFFLE
+// The codes of channels c0 .. c0 + 15 of a row under per-channel stored
+// scale / min sf, mf and rf = code_recip(sf), as 16 code bytes.
+template <typename T>
+inline __m128i row_codes16(const T* row, const float* sf, const float* mf, const float* rf,
+                           int64_t c0, float top) {
+  F32x16 x, sv, mv, rv;
+  load16(row + c0, x);
+  std::memcpy(&sv, sf + c0, sizeof(sv));
+  std::memcpy(&mv, mf + c0, sizeof(mv));
+  std::memcpy(&rv, rf + c0, sizeof(rv));
+  return quant_codes16(x, sv, mv, rv, top);
+}
+#endif
+
+// Codes of one token row OR-ed into its byte row at bit `shift`, under the
+// per-channel stored scale / min sf[c], mf[c] (rf[c] = code_recip(sf[c]),
+// for the byte-shuffle copies' 16 channels at a time).
+template <typename T>
+DLLM_CPU_NOINLINE void or_codes_row(const T* row_, const float* __restrict__ sf,
+                                    const float* __restrict__ mf, const float* __restrict__ rf,
+                                    uint8_t* __restrict__ orow, int64_t d, int bits, int shift) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ row = reinterpret_cast<const typename E::Bits*>(row_);
+  int64_t c0 = 0;
+#if DLLM_QUANT_SHUFFLE
+  const float top = static_cast<float>(math::quant_levels(bits));
+  const __m128i count = _mm_cvtsi32_si128(shift);
+  for (; c0 + 16 <= d; c0 += 16) {
+    // codes < 2^bits and shift <= 8 - bits: a 16-bit lane shift keeps each in its byte
+    const __m128i c = _mm_sll_epi16(row_codes16(row_, sf, mf, rf, c0, top), count);
+    auto* o = reinterpret_cast<__m128i*>(orow + c0);
+    _mm_storeu_si128(o, _mm_or_si128(_mm_loadu_si128(o), c));
+  }
+#else
+  (void)rf;
+#endif
+  for (int64_t c = c0; c < d; ++c)
+    orow[c] |= static_cast<uint8_t>(math::quant_code(E::load(row[c]), sf[c], mf[c], bits) << shift);
+}
+
+// Codes (one per byte) of one row under per-element stored scale / min
+// (rf as in or_codes_row).
+template <typename T>
+DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
+                                 const float* __restrict__ mf, const float* __restrict__ rf,
+                                 uint8_t* __restrict__ out, int64_t d, int bits) {
+  using E = cpu::Elem<T>;
+  const auto* __restrict__ x = reinterpret_cast<const typename E::Bits*>(x_);
+  int64_t c0 = 0;
+#if DLLM_QUANT_SHUFFLE
+  const float top = static_cast<float>(math::quant_levels(bits));
+  for (; c0 + 16 <= d; c0 += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c0), row_codes16(x_, sf, mf, rf, c0, top));
+#else
+  (void)rf;
+#endif
+  for (int64_t c = c0; c < d; ++c)
+    out[c] = static_cast<uint8_t>(math::quant_code(E::load(x[c]), sf[c], mf[c], bits));
+}
+
+#if DLLM_QUANT_SHUFFLE
+// range_row and nonfinite_row over a K group's tokens, 16 channels at a time
+// with the running min / max in registers (d a multiple of 16): the same
+// per-channel order and rule, v replacing lo[c] only when v < lo[c].
+template <typename T>
+inline void k_group_lohi16(const T* x, int64_t d, int n_real, const uint8_t* slot_of, float* lo,
+                           float* hi, int* bad) {
+  I32x16 nonfinite = I32x16{};  // bits of v - v: +0 for a finite v, NaN otherwise
+  for (int64_t c0 = 0; c0 < d; c0 += 16) {
+    F32x16 l, h, v;
+    splat16(INFINITY, l);
+    splat16(-INFINITY, h);
+    for (int j = 0; j < n_real; ++j) {
+      load16(x + j * d + c0, v);
+      nonfinite |= reinterpret_cast<I32x16>(v - v);
+      if (slot_of == nullptr || slot_of[j] == math::kProtUnused) {
+        l = v < l ? v : l;
+        h = v > h ? v : h;
+      }
+    }
+    std::memcpy(lo + c0, &l, sizeof(l));
+    std::memcpy(hi + c0, &h, sizeof(h));
+  }
+  for (int i = 0; i < 16; ++i) *bad |= nonfinite[i];
+}
+#endif
+
+// Per-channel stored scale / min of one K group of n_real token rows x (row
+// stride d) over the tokens with slot_of[j] == kProtUnused (all of them when
+// slot_of is null); fills sf / mf with the stored values widened to fp32, rf
+// with code_recip of them, and scale_out / min_out, when given, with the
+// stored values. *status collects the math::QuantStatus bits.
+template <typename T>
+void k_group_ranges(const T* x, int64_t d, int n_real, int bits, const uint8_t* slot_of,
+                    T* scale_out, T* min_out, float* sf, float* mf, float* rf, int* status) {
+  float lo[math::kQuantMaxHeadDim], hi[math::kQuantMaxHeadDim];
+  int bad = 0;
+#if DLLM_QUANT_SHUFFLE
+  if (d % 16 == 0) {
+    k_group_lohi16(x, d, n_real, slot_of, lo, hi, &bad);
+  } else  // NOLINT(readability/braces): the loop below is the other branch
+#endif
+  {
+    std::fill_n(lo, d, INFINITY);
+    std::fill_n(hi, d, -INFINITY);
+    for (int j = 0; j < n_real; ++j) {
+      if (slot_of == nullptr || slot_of[j] == math::kProtUnused)
+        range_row(x + j * d, lo, hi, d, &bad);
+      else
+        nonfinite_row(x + j * d, d, &bad);
+    }
+  }
+  if (bad) *status |= math::kQuantNonFinite;
+  T scale_buf[math::kQuantMaxHeadDim], min_buf[math::kQuantMaxHeadDim];
+  int overflow = 0;
+  scale_min_row(lo, hi, d, bits, scale_out ? scale_out : scale_buf,
+                min_out ? min_out : min_buf, sf, mf, &overflow);
+  if (overflow) *status |= math::kQuantRangeOverflow;
+  recip_row(sf, rf, d);
+}
+
+#if DLLM_QUANT_SHUFFLE
+// One K group's byte rows, 16 channels (c0 ..) at a time: byte row b holds
+// the codes of tokens b * n .. b * n + n - 1 at bits * (j % n) (n = 8 / kBits),
+// 0 for a token not in quant (padding, protected); sf / mf / rf as in
+// or_codes_row. Each byte is written once, from registers.
+template <int kBits, typename T>
+inline void k_group_codes(const T* x, int64_t d, int G, const bool* quant, const float* sf,
+                          const float* mf, const float* rf, uint8_t* out) {
+  constexpr int n = 8 / kBits;
+  const float top = static_cast<float>(math::quant_levels(kBits));
+  for (int64_t c0 = 0; c0 < d; c0 += 16) {
+    F32x16 sv, mv, rv, v;
+    std::memcpy(&sv, sf + c0, sizeof(sv));
+    std::memcpy(&mv, mf + c0, sizeof(mv));
+    std::memcpy(&rv, rf + c0, sizeof(rv));
+    for (int b = 0; b < G / n; ++b) {
+      __m128i acc = _mm_setzero_si128();
+      for (int t = 0; t < n; ++t) {
+        const int j = b * n + t;
+        if (!quant[j]) continue;
+        load16(x + j * d + c0, v);
+        // codes < 2^kBits: a 16-bit lane shift keeps each in its byte
+        acc = _mm_or_si128(acc, _mm_slli_epi16(quant_codes16(v, sv, mv, rv, top), kBits * t));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * d + c0), acc);
+    }
+  }
+}
+#endif
+
+// Quantizes one K group of n_real token rows x (row stride d) into its G / n
+// byte rows out (n = 8 / bits): the per-channel ranges over the tokens with
+// slot_of[j] == kProtUnused, their stored scales / mins (scale_out /
+// min_out), then the codes (0 for protected tokens and padding). *status
+// collects the math::QuantStatus bits. The byte-shuffle copies run it 16
+// channels at a time when d is a multiple of 16 (k_group_codes); otherwise
+// token row by token row, OR-ing each into its byte row.
+template <typename T>
+DLLM_CPU_NOINLINE void quantize_k_group(const T* x, int64_t d, int n_real, int G, int bits,
+                                        const uint8_t* slot_of, T* scale_out, T* min_out,
+                                        uint8_t* out, int* status) {
+  float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim], rf[math::kQuantMaxHeadDim];
+  k_group_ranges(x, d, n_real, bits, slot_of, scale_out, min_out, sf, mf, rf, status);
+#if DLLM_QUANT_SHUFFLE
+  if (d % 16 == 0) {
+    bool quant[math::kQuantMaxGroup];
+    for (int j = 0; j < G; ++j) quant[j] = j < n_real && slot_of[j] == math::kProtUnused;
+    if (bits == 4)
+      k_group_codes<4>(x, d, G, quant, sf, mf, rf, out);
+    else
+      k_group_codes<2>(x, d, G, quant, sf, mf, rf, out);
+    return;
+  }
+#endif
+  const int n = math::codes_per_byte(bits);
+  std::fill_n(out, G / n * d, uint8_t{0});
+  for (int j = 0; j < n_real; ++j)
+    if (slot_of[j] == math::kProtUnused)
+      or_codes_row(x + j * d, sf, mf, rf, out + (j / n) * d, d, bits, bits * (j % n));
+}
+
+// The range of a V group's G channels xg (fp32) as the generic loop finds
+// it: lane l of a Lanes8 pair runs over channels l, l + 8, ..., then
+// merge_lanes. Sets bad on a NaN or an infinity.
+inline math::QuantRange v_group_range(const float* xg, int G, int& bad) {
+  const Lanes8 zero = Lanes8{}, inf = zero + INFINITY, fmax = zero + FLT_MAX;
+  Lanes8 lo = inf, hi = -inf;
+  Lanes8i nonfinite = Lanes8i{};
+  for (int c0 = 0; c0 < G; c0 += 8) {
+    Lanes8 v;
+    std::memcpy(&v, xg + c0, sizeof(v));
+    const Lanes8 a = v < zero ? -v : v;
+    nonfinite |= ~(a <= fmax);  // not math::is_finite, per lane
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  for (int l = 0; l < 8; ++l) bad |= nonfinite[l];
+  return merge_lanes(lo, hi);
+}
+
 // Quantizes one V row: each group's stored scale / min (rounded to T), then the
-// codes, packed n to a byte. st collects the math::QuantStatus bits. With the
-// byte shuffles and groups of 16 or more channels, the codes are computed and
-// packed 16 at a time under their group's scale / min; otherwise the scale /
-// min are spread per channel for codes_row and pack_codes.
+// codes (the scale / min spread per channel for codes_row), packed n to a
+// byte. st collects the math::QuantStatus bits.
 template <typename T>
 void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale, T* mn, int& st) {
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int64_t d = s.d;
   float xf[math::kQuantMaxHeadDim];
-  float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim];  // per channel
+  float sf[math::kQuantMaxHeadDim], mf[math::kQuantMaxHeadDim], rf[math::kQuantMaxHeadDim];
   float glo[math::kQuantMaxHeadDim / 8] = {}, ghi[math::kQuantMaxHeadDim / 8] = {};  // per group
   float sg[math::kQuantMaxHeadDim / 8], mg[math::kQuantMaxHeadDim / 8];
   uint8_t code[math::kQuantMaxHeadDim];
   widen_row(x_, xf, d);
-  const Lanes8 zero = Lanes8{}, inf = zero + INFINITY, fmax = zero + FLT_MAX;
+  int bad = 0;
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
-    const float* xg = xf + grp * G;
-    Lanes8 lo = inf, hi = -inf;
-    Lanes8i bad = Lanes8i{};
-    for (int c0 = 0; c0 < G; c0 += 8) {
-      Lanes8 v;
-      std::memcpy(&v, xg + c0, sizeof(v));
-      const Lanes8 a = v < zero ? -v : v;
-      bad |= ~(a <= fmax);  // not math::is_finite, per lane
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-    }
-    int any_bad = 0;
-    for (int l = 0; l < 8; ++l) any_bad |= bad[l];
-    if (any_bad) st |= math::kQuantNonFinite;
-    const math::QuantRange r = merge_lanes(lo, hi);
+    const math::QuantRange r = v_group_range(xf + grp * G, G, bad);
     glo[grp] = r.mn, ghi[grp] = r.mx;
   }
+  if (bad) st |= math::kQuantNonFinite;
   int overflow = 0;
   scale_min_row(glo, ghi, s.n_groups, bits, scale, mn, sg, mg, &overflow);
   if (overflow) st |= math::kQuantRangeOverflow;
-#if DLLM_QUANT_SHUFFLE
-  if (G >= 16) {  // G is a power of two: whole vectors of 16
-    const float top = static_cast<float>(math::quant_levels(bits));
-    for (int64_t grp = 0; grp < s.n_groups; ++grp)
-      for (int64_t c = grp * G; c < (grp + 1) * G; c += 16) {
-        const __m128i c16 = quant_codes16(xf + c, sg[grp], mg[grp], top);
-        if (bits == 4)
-          pack_codes16<4>(c16, codes + c / 2);
-        else
-          pack_codes16<2>(c16, codes + c / 4);
-      }
-    return;
-  }
-#endif
   for (int64_t grp = 0; grp < s.n_groups; ++grp) {
     std::fill_n(sf + grp * G, G, sg[grp]);
     std::fill_n(mf + grp * G, G, mg[grp]);
+    std::fill_n(rf + grp * G, G, code_recip(sg[grp]));
   }
-  codes_row(x_, sf, mf, code, d, bits);
+  codes_row(x_, sf, mf, rf, code, d, bits);
   if (bits == 4)
     pack_codes<4>(code, s.row_bytes, codes);
   else
     pack_codes<2>(code, s.row_bytes, codes);
+}
+
+#if DLLM_QUANT_SHUFFLE
+// The least of lo's 16 lanes and the greatest of hi's (as values: which of
+// equal lanes, a +0 or a -0, comes out is not the generic loop's).
+inline void ends16(const F32x16& lo_in, const F32x16& hi_in, float& mn, float& mx) {
+  F32x16 lo = lo_in, hi = hi_in;
+  const I32x16 halves = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+               quads = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+               pairs = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+               ones = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  for (const I32x16& partner : {halves, quads, pairs, ones}) {
+    const F32x16 plo = __builtin_shuffle(lo, partner), phi = __builtin_shuffle(hi, partner);
+    lo = plo < lo ? plo : lo;
+    hi = phi > hi ? phi : hi;
+  }
+  mn = lo[0], mx = hi[0];
+}
+#endif
+
+// Quantizes n_rows consecutive V rows (quantize_v_row's outputs). The
+// byte-shuffle copies with G >= 16 take a block of rows at a time: each
+// group's range in 16 lanes (an end that is 0 from v_group_range instead,
+// whose lane order decides whether it is +0 or -0), the block's scales and
+// mins in one scale_min_row call (a vector loop, where a row's few groups
+// leave it scalar), then the codes 16 at a time (quant_codes16).
+template <typename T>
+DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t* codes, T* scale,
+                                       T* mn, int64_t n_rows, int& st) {
+  const int64_t d = s.d, ng = s.n_groups;
+#if DLLM_QUANT_SHUFFLE
+  if (s.G >= 16) {  // G is a power of two: whole vectors of 16
+    const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
+    const float top = static_cast<float>(math::quant_levels(bits));
+    constexpr int64_t kBlock = 64;  // groups of a block (a row has at most 256 / 16)
+    const int64_t rows_per_block = std::max<int64_t>(1, kBlock / ng);
+    float glo[kBlock], ghi[kBlock], sg[kBlock], mg[kBlock];
+    I32x16 nonfinite = I32x16{};  // bits of v - v: +0 for a finite v, NaN otherwise
+    int overflow = 0, bad = 0;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += rows_per_block) {
+      const int64_t n = std::min(rows_per_block, n_rows - r0) * ng;
+      const T* xb = x + r0 * d;  // group i of the block: channels i * G ..
+      for (int64_t i = 0; i < n; ++i) {
+        const T* xg = xb + i * G;
+        F32x16 lo, hi, v;
+        load16(xg, lo);
+        hi = lo;
+        nonfinite |= reinterpret_cast<I32x16>(lo - lo);
+        for (int c = 16; c < G; c += 16) {
+          load16(xg + c, v);
+          nonfinite |= reinterpret_cast<I32x16>(v - v);
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+        }
+        ends16(lo, hi, glo[i], ghi[i]);
+        if (glo[i] == 0.f || ghi[i] == 0.f) {
+          float xf[math::kQuantMaxGroup];
+          widen_row(xg, xf, G);
+          const math::QuantRange r = v_group_range(xf, G, bad);
+          glo[i] = r.mn, ghi[i] = r.mx;
+        }
+      }
+      scale_min_row(glo, ghi, n, bits, scale + r0 * ng, mn + r0 * ng, sg, mg, &overflow);
+      uint8_t* cb = codes + r0 * s.row_bytes;
+      for (int64_t i = 0; i < n; ++i) {
+        F32x16 sv, mv, rv, v;
+        splat16(sg[i], sv);
+        splat16(mg[i], mv);
+        splat16(code_recip(sg[i]), rv);
+        for (int c = 0; c < G; c += 16) {
+          const int64_t ch = i * G + c;  // channel within the block
+          load16(xb + ch, v);
+          const __m128i c16 = quant_codes16(v, sv, mv, rv, top);
+          if (bits == 4)
+            pack_codes16<4>(c16, cb + ch / 2);
+          else
+            pack_codes16<2>(c16, cb + ch / 4);
+        }
+      }
+    }
+    for (int l = 0; l < 16; ++l) bad |= nonfinite[l];
+    if (bad) st |= math::kQuantNonFinite;
+    if (overflow) st |= math::kQuantRangeOverflow;
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < n_rows; ++r)
+    quantize_v_row(s, x + r * d, codes + r * s.row_bytes, scale + r * ng, mn + r * ng, st);
 }
 
 #if DLLM_QUANT_SHUFFLE
