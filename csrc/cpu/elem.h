@@ -22,11 +22,17 @@ namespace cpu {
 // a GCC vector of them, so vector loops round exactly as the scalar store
 // does (by reference: GCC warns about the ABI of wide vector arguments and
 // results).
+// (The NaN test is arithmetic, |b| + (2^23 - 1) reaching bit 31 exactly
+// when |b| > 0x7f800000, and the select bitwise: GCC lowers a compare-select
+// of a 16-lane vector lane by lane when the copy's registers are narrower.)
 template <typename U>
 static inline __attribute__((always_inline)) void bf16_round_high_bits(const U& b, U& r,
                                                                        bool nan_free = false) {
   r = b + 0x7fffu + ((b >> 16) & 1u);
-  if (!nan_free) r = (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x00400000u) : r;
+  if (!nan_free) {
+    const U nan = 0u - (((b & 0x7fffffffu) + 0x007fffffu) >> 31);  // all ones for a NaN
+    r = (nan & (b | 0x00400000u)) | (~nan & r);
+  }
 }
 
 // As bf16_round_high_bits, the bf16 bits in the low 16 bits of r.

@@ -161,6 +161,46 @@ inline void splat16(float x, F32x16& v) {
   v = F32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
+#if DLLM_VEC_FLOATS >= 16
+// The running ranges of the AVX-512 copy, 16 lanes in one register (in the
+// AVX2 copy, GCC keeps 16-lane accumulators in memory and lowers their
+// selects lane by lane, so that copy finds ranges 8 lanes at a time with
+// range_row and v_group_range). (Wide vectors pass by reference, as in
+// widen_codes.)
+
+// out = a < b ? a : b and a > b ? a : b per lane (a NaN in a never wins).
+inline void min16(const F32x16& a, const F32x16& b, F32x16& out) {
+  __m512 x, y;
+  std::memcpy(&x, &a, sizeof(x));
+  std::memcpy(&y, &b, sizeof(y));
+  const __m512 m = _mm512_maskz_min_ps(0xffff, x, y);  // minps(x, y) = x < y ? x : y
+  std::memcpy(&out, &m, sizeof(out));
+}
+inline void max16(const F32x16& a, const F32x16& b, F32x16& out) {
+  __m512 x, y;
+  std::memcpy(&x, &a, sizeof(x));
+  std::memcpy(&y, &b, sizeof(y));
+  const __m512 m = _mm512_maskz_max_ps(0xffff, x, y);  // maxps(x, y) = x > y ? x : y
+  std::memcpy(&out, &m, sizeof(out));
+}
+
+// acc |= the bits of v - v: +0 for a finite v, a NaN for an infinity or a
+// NaN. any_bits16(acc): whether a lane is nonzero.
+inline void or_nonfinite16(const F32x16& v, F32x16& acc) {
+  __m512 x, a;
+  std::memcpy(&x, &v, sizeof(x));
+  std::memcpy(&a, &acc, sizeof(a));
+  a = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(_mm512_sub_ps(x, x))));
+  std::memcpy(&acc, &a, sizeof(acc));
+}
+inline bool any_bits16(const F32x16& acc) {
+  __m512i a;
+  std::memcpy(&a, &acc, sizeof(a));
+  return _mm512_test_epi32_mask(a, a) != 0;
+}
+#endif
+
 // Makes v a value GCC must treat as unknown (an empty asm on each of its
 // registers): what was computed into it is rounded, never fused onward.
 inline void opaque(F32x16& v) {
@@ -181,10 +221,35 @@ inline void dequant_sum(const F32x16& code, const F32x16& s, const F32x16& m, F3
   v = prod + m;
 }
 
-// Sixteen dequantized values into o: dequant_sum, then rounded to T.
+// Eight values of an fp32 vector rounded to T into o (AVX2's half of
+// dequant16).
+template <typename T, typename V>
+inline void store_rounded8(const V& v, typename cpu::Elem<T>::Bits* o) {
+  typedef uint32_t U32x8 __attribute__((vector_size(32)));
+  typedef uint16_t U16x8 __attribute__((vector_size(16)));
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(o, &v, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    U32x8 b, r;
+    std::memcpy(&b, &v, sizeof(b));
+    cpu::bf16_round_bits(b, r);
+    const U16x8 h = __builtin_convertvector(r, U16x8);
+    std::memcpy(o, &h, sizeof(h));
+  } else {
+    float f[8];
+    std::memcpy(f, &v, sizeof(f));
+    for (int i = 0; i < 8; ++i) o[i] = cpu::Elem<T>::store(f[i]);
+  }
+}
+
+// Sixteen dequantized values into o: dequant_sum, then rounded to T. The
+// AVX2 copy runs it as two halves in 8-lane vectors (one register each): on
+// 16-lane vectors there GCC sends partial registers through the stack and
+// reloads them whole, which stalls on store forwarding.
 template <typename T>
 inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
                       typename cpu::Elem<T>::Bits* o) {
+#if DLLM_VEC_FLOATS >= 16
   I32x16 ci;
   widen_codes(code, ci);
   F32x16 v;
@@ -202,6 +267,21 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
     std::memcpy(f, &v, sizeof(f));
     for (int i = 0; i < 16; ++i) o[i] = cpu::Elem<T>::store(f[i]);
   }
+#else
+  typedef float F32x8 __attribute__((vector_size(32)));
+  __m128i c;
+  std::memcpy(&c, &code, sizeof(c));
+  for (int h = 0; h < 2; ++h) {
+    const __m256 cf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(c, 8) : c));
+    F32x8 prod, sv, mv;
+    std::memcpy(&prod, &cf, sizeof(prod));
+    std::memcpy(&sv, reinterpret_cast<const float*>(&s) + 8 * h, sizeof(sv));
+    std::memcpy(&mv, reinterpret_cast<const float*>(&m) + 8 * h, sizeof(mv));
+    prod *= sv;
+    asm("" : "+v"(prod));  // as opaque: the product is rounded, never fused with the sum
+    store_rounded8<T>(prod + mv, o + 8 * h);
+  }
+#endif
 }
 #endif  // DLLM_QUANT_SHUFFLE
 
@@ -539,7 +619,9 @@ template <int kBits>
 inline void pack_codes16(__m128i code, uint8_t* out) {
   if constexpr (kBits == 4) {
     const __m128i pairs = _mm_maddubs_epi16(code, _mm_set1_epi16(0x1001));  // c0 + 16 c1
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(pairs, pairs));
+    // (through a GPR: GCC 12 sends _mm_storel_epi64's value through the stack)
+    const int64_t bytes8 = _mm_cvtsi128_si64(_mm_packus_epi16(pairs, pairs));
+    std::memcpy(out, &bytes8, sizeof(bytes8));
   } else {
     const __m128i pairs = _mm_maddubs_epi16(code, _mm_set1_epi16(0x0401));  // c0 + 4 c1
     const __m128i quads = _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));  // + 16 (c2 + 4 c3)
@@ -611,30 +693,30 @@ DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
     out[c] = static_cast<uint8_t>(math::quant_code(E::load(x[c]), sf[c], mf[c], bits));
 }
 
-#if DLLM_QUANT_SHUFFLE
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
 // range_row and nonfinite_row over a K group's tokens, 16 channels at a time
 // with the running min / max in registers (d a multiple of 16): the same
 // per-channel order and rule, v replacing lo[c] only when v < lo[c].
 template <typename T>
 inline void k_group_lohi16(const T* x, int64_t d, int n_real, const uint8_t* slot_of, float* lo,
                            float* hi, int* bad) {
-  I32x16 nonfinite = I32x16{};  // bits of v - v: +0 for a finite v, NaN otherwise
+  F32x16 nonfinite = F32x16{};  // or_nonfinite16 of every value read
   for (int64_t c0 = 0; c0 < d; c0 += 16) {
     F32x16 l, h, v;
     splat16(INFINITY, l);
     splat16(-INFINITY, h);
     for (int j = 0; j < n_real; ++j) {
       load16(x + j * d + c0, v);
-      nonfinite |= reinterpret_cast<I32x16>(v - v);
+      or_nonfinite16(v, nonfinite);
       if (slot_of == nullptr || slot_of[j] == math::kProtUnused) {
-        l = v < l ? v : l;
-        h = v > h ? v : h;
+        min16(v, l, l);
+        max16(v, h, h);
       }
     }
     std::memcpy(lo + c0, &l, sizeof(l));
     std::memcpy(hi + c0, &h, sizeof(h));
   }
-  for (int i = 0; i < 16; ++i) *bad |= nonfinite[i];
+  if (any_bits16(nonfinite)) *bad = 1;
 }
 #endif
 
@@ -648,7 +730,7 @@ void k_group_ranges(const T* x, int64_t d, int n_real, int bits, const uint8_t* 
                     T* scale_out, T* min_out, float* sf, float* mf, float* rf, int* status) {
   float lo[math::kQuantMaxHeadDim], hi[math::kQuantMaxHeadDim];
   int bad = 0;
-#if DLLM_QUANT_SHUFFLE
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
   if (d % 16 == 0) {
     k_group_lohi16(x, d, n_real, slot_of, lo, hi, &bad);
   } else  // NOLINT(readability/braces): the loop below is the other branch
@@ -786,28 +868,25 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
     pack_codes<2>(code, s.row_bytes, codes);
 }
 
-#if DLLM_QUANT_SHUFFLE
-// The least of lo's 16 lanes and the greatest of hi's (as values: which of
-// equal lanes, a +0 or a -0, comes out is not the generic loop's).
-inline void ends16(const F32x16& lo_in, const F32x16& hi_in, float& mn, float& mx) {
-  F32x16 lo = lo_in, hi = hi_in;
-  const I32x16 halves = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-               quads = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-               pairs = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-               ones = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  for (const I32x16& partner : {halves, quads, pairs, ones}) {
-    const F32x16 plo = __builtin_shuffle(lo, partner), phi = __builtin_shuffle(hi, partner);
-    lo = plo < lo ? plo : lo;
-    hi = phi > hi ? phi : hi;
-  }
-  mn = lo[0], mx = hi[0];
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
+// The least of lo's 16 lanes and the greatest of hi's, as values (which of
+// equal lanes, a +0 or a -0, comes out is not the generic loop's): the two
+// halves folded, then merge_lanes' 8-lane tree (one register in the AVX2 copy).
+inline void ends16(const F32x16& lo, const F32x16& hi, float& mn, float& mx) {
+  Lanes8 l[2], h[2];
+  std::memcpy(l, &lo, sizeof(l));
+  std::memcpy(h, &hi, sizeof(h));
+  const math::QuantRange r =
+      merge_lanes(l[1] < l[0] ? l[1] : l[0], h[1] > h[0] ? h[1] : h[0]);
+  mn = r.mn, mx = r.mx;
 }
 #endif
 
 // Quantizes n_rows consecutive V rows (quantize_v_row's outputs). The
 // byte-shuffle copies with G >= 16 take a block of rows at a time: each
-// group's range in 16 lanes (an end that is 0 from v_group_range instead,
-// whose lane order decides whether it is +0 or -0), the block's scales and
+// group's range (AVX-512: in 16 lanes, an end that is 0 from v_group_range
+// instead, whose lane order decides whether it is +0 or -0; AVX2:
+// v_group_range), the block's scales and
 // mins in one scale_min_row call (a vector loop, where a row's few groups
 // leave it scalar), then the codes 16 at a time (quant_codes16).
 template <typename T>
@@ -821,22 +900,25 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
     constexpr int64_t kBlock = 64;  // groups of a block (a row has at most 256 / 16)
     const int64_t rows_per_block = std::max<int64_t>(1, kBlock / ng);
     float glo[kBlock], ghi[kBlock], sg[kBlock], mg[kBlock];
-    I32x16 nonfinite = I32x16{};  // bits of v - v: +0 for a finite v, NaN otherwise
+#if DLLM_VEC_FLOATS >= 16
+    F32x16 nonfinite = F32x16{};  // or_nonfinite16 of every value read
+#endif
     int overflow = 0, bad = 0;
     for (int64_t r0 = 0; r0 < n_rows; r0 += rows_per_block) {
       const int64_t n = std::min(rows_per_block, n_rows - r0) * ng;
       const T* xb = x + r0 * d;  // group i of the block: channels i * G ..
       for (int64_t i = 0; i < n; ++i) {
         const T* xg = xb + i * G;
+#if DLLM_VEC_FLOATS >= 16
         F32x16 lo, hi, v;
         load16(xg, lo);
         hi = lo;
-        nonfinite |= reinterpret_cast<I32x16>(lo - lo);
+        or_nonfinite16(lo, nonfinite);
         for (int c = 16; c < G; c += 16) {
           load16(xg + c, v);
-          nonfinite |= reinterpret_cast<I32x16>(v - v);
-          lo = v < lo ? v : lo;
-          hi = v > hi ? v : hi;
+          or_nonfinite16(v, nonfinite);
+          min16(v, lo, lo);
+          max16(v, hi, hi);
         }
         ends16(lo, hi, glo[i], ghi[i]);
         if (glo[i] == 0.f || ghi[i] == 0.f) {
@@ -845,6 +927,12 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
           const math::QuantRange r = v_group_range(xf, G, bad);
           glo[i] = r.mn, ghi[i] = r.mx;
         }
+#else
+        float xf[math::kQuantMaxGroup];
+        widen_row(xg, xf, G);
+        const math::QuantRange r = v_group_range(xf, G, bad);
+        glo[i] = r.mn, ghi[i] = r.mx;
+#endif
       }
       scale_min_row(glo, ghi, n, bits, scale + r0 * ng, mn + r0 * ng, sg, mg, &overflow);
       uint8_t* cb = codes + r0 * s.row_bytes;
@@ -864,7 +952,9 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
         }
       }
     }
-    for (int l = 0; l < 16; ++l) bad |= nonfinite[l];
+#if DLLM_VEC_FLOATS >= 16
+    if (any_bits16(nonfinite)) bad = 1;
+#endif
     if (bad) st |= math::kQuantNonFinite;
     if (overflow) st |= math::kQuantRangeOverflow;
     return;
