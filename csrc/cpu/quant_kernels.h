@@ -161,46 +161,6 @@ inline void splat16(float x, F32x16& v) {
   v = F32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
-#if DLLM_VEC_FLOATS >= 16
-// The running ranges of the AVX-512 copy, 16 lanes in one register (in the
-// AVX2 copy, GCC keeps 16-lane accumulators in memory and lowers their
-// selects lane by lane, so that copy finds ranges 8 lanes at a time with
-// range_row and v_group_range). (Wide vectors pass by reference, as in
-// widen_codes.)
-
-// out = a < b ? a : b and a > b ? a : b per lane (a NaN in a never wins).
-inline void min16(const F32x16& a, const F32x16& b, F32x16& out) {
-  __m512 x, y;
-  std::memcpy(&x, &a, sizeof(x));
-  std::memcpy(&y, &b, sizeof(y));
-  const __m512 m = _mm512_maskz_min_ps(0xffff, x, y);  // minps(x, y) = x < y ? x : y
-  std::memcpy(&out, &m, sizeof(out));
-}
-inline void max16(const F32x16& a, const F32x16& b, F32x16& out) {
-  __m512 x, y;
-  std::memcpy(&x, &a, sizeof(x));
-  std::memcpy(&y, &b, sizeof(y));
-  const __m512 m = _mm512_maskz_max_ps(0xffff, x, y);  // maxps(x, y) = x > y ? x : y
-  std::memcpy(&out, &m, sizeof(out));
-}
-
-// acc |= the bits of v - v: +0 for a finite v, a NaN for an infinity or a
-// NaN. any_bits16(acc): whether a lane is nonzero.
-inline void or_nonfinite16(const F32x16& v, F32x16& acc) {
-  __m512 x, a;
-  std::memcpy(&x, &v, sizeof(x));
-  std::memcpy(&a, &acc, sizeof(a));
-  a = _mm512_castsi512_ps(
-      _mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(_mm512_sub_ps(x, x))));
-  std::memcpy(&acc, &a, sizeof(acc));
-}
-inline bool any_bits16(const F32x16& acc) {
-  __m512i a;
-  std::memcpy(&a, &acc, sizeof(a));
-  return _mm512_test_epi32_mask(a, a) != 0;
-}
-#endif
-
 // Makes v a value GCC must treat as unknown (an empty asm on each of its
 // registers): what was computed into it is rounded, never fused onward.
 inline void opaque(F32x16& v) {
@@ -236,9 +196,12 @@ inline void store_rounded8(const V& v, typename cpu::Elem<T>::Bits* o) {
     const U16x8 h = __builtin_convertvector(r, U16x8);
     std::memcpy(o, &h, sizeof(h));
   } else {
-    float f[8];
-    std::memcpy(f, &v, sizeof(f));
-    for (int i = 0; i < 8; ++i) o[i] = cpu::Elem<T>::store(f[i]);
+    // F16C: round to nearest even, as c10::Half; a NaN keeps its payload's
+    // top bits where c10 writes its canonical NaN.
+    __m256 x;
+    std::memcpy(&x, &v, sizeof(x));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
 
@@ -262,10 +225,11 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
     cpu::bf16_round_bits(b, r);
     const U16x16 h = __builtin_convertvector(r, U16x16);
     std::memcpy(o, &h, sizeof(h));
-  } else {
-    float f[16];
-    std::memcpy(f, &v, sizeof(f));
-    for (int i = 0; i < 16; ++i) o[i] = cpu::Elem<T>::store(f[i]);
+  } else {  // F16C, as store_rounded8
+    __m512 x;
+    std::memcpy(&x, &v, sizeof(x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                        _mm512_maskz_cvtps_ph(0xffff, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 #else
   typedef float F32x8 __attribute__((vector_size(32)));
@@ -511,37 +475,65 @@ inline math::QuantRange merge_lanes(const Lanes8& lo_in, const Lanes8& hi_in) {
 }
 
 #if DLLM_QUANT_SHUFFLE
-// 16 values of T widened to fp32 lanes (exact: bf16 is the high half of an
-// fp32, fp16 converts with F16C), by intrinsics: GCC turns a 16-lane
-// convertvector into two 8-lane widenings and an insert, three shuffles
-// where one does. (Into v: wide vectors pass by reference, as in
-// widen_codes.)
+// One register of the copy as a GCC vector (8 floats in the AVX2 copy, 16 in
+// the AVX-512 one): loops that keep running values in vectors use this
+// width, because GCC keeps 16-lane vector variables of the AVX2 copy in
+// memory and lowers their selects one lane at a time.
+typedef float VecF __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+typedef int32_t VecI __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+constexpr int kW = DLLM_VEC_FLOATS;
+
+// kW values of T widened to fp32 lanes (exact: bf16 is the high half of an
+// fp32, fp16 converts with F16C), by intrinsics: GCC turns a wide
+// convertvector into half-width widenings and an insert, and converts
+// _Float16 one lane at a time. (Into v: wide vectors pass by reference, as
+// in widen_codes.)
 template <typename T>
-inline void load16(const T* x, F32x16& v) {
+inline void load_w(const T* x, VecF& v) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, x, sizeof(v));
   } else {
 #if DLLM_VEC_FLOATS >= 16
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    __m512 w;
+    __m512 w;  // (masked forms: GCC 12 warns on the unmasked ones)
     if constexpr (std::is_same_v<T, c10::BFloat16>)
       w = _mm512_castsi512_ps(
           _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, h), 16));
     else
-      w = _mm512_maskz_cvtph_ps(0xffff, h);  // (masked forms: GCC 12 warns on the unmasked ones)
-    std::memcpy(&v, &w, sizeof(v));
+      w = _mm512_maskz_cvtph_ps(0xffff, h);
 #else
-    for (int half = 0; half < 2; ++half) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x) + half);
-      __m256 w;
-      if constexpr (std::is_same_v<T, c10::BFloat16>)
-        w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      else
-        w = _mm256_cvtph_ps(h);
-      std::memcpy(reinterpret_cast<float*>(&v) + 8 * half, &w, sizeof(w));
-    }
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+    __m256 w;
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else
+      w = _mm256_cvtph_ps(h);
 #endif
+    std::memcpy(&v, &w, sizeof(v));
   }
+}
+
+// 16 values of T widened (load_w, once or twice).
+template <typename T>
+inline void load16(const T* x, F32x16& v) {
+  VecF part[16 / kW];
+  for (int i = 0; i < 16 / kW; ++i) load_w(x + i * kW, part[i]);
+  std::memcpy(&v, part, sizeof(v));
+}
+
+// acc |= the bits of v - v: +0 for a finite v, a NaN for an infinity or a NaN.
+inline void or_nonfinite(const VecF& v, VecI& acc) {
+  const VecF z = v - v;
+  VecI b;
+  std::memcpy(&b, &z, sizeof(b));
+  acc |= b;
+}
+
+// Whether a lane of acc is nonzero.
+inline bool any_lane(const VecI& acc) {
+  int32_t any = 0;
+  for (int l = 0; l < kW; ++l) any |= acc[l];
+  return any != 0;
 }
 
 // Quantization multiplies by r = code_recip(s) where math::quant_code
@@ -693,30 +685,29 @@ DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
     out[c] = static_cast<uint8_t>(math::quant_code(E::load(x[c]), sf[c], mf[c], bits));
 }
 
-#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
-// range_row and nonfinite_row over a K group's tokens, 16 channels at a time
-// with the running min / max in registers (d a multiple of 16): the same
-// per-channel order and rule, v replacing lo[c] only when v < lo[c].
+#if DLLM_QUANT_SHUFFLE
+// range_row and nonfinite_row over a K group's tokens, kW channels at a
+// time (d a multiple of kW) with the running min / max in registers: the
+// same per-channel order and rule, v replacing lo[c] only when v < lo[c].
 template <typename T>
-inline void k_group_lohi16(const T* x, int64_t d, int n_real, const uint8_t* slot_of, float* lo,
-                           float* hi, int* bad) {
-  F32x16 nonfinite = F32x16{};  // or_nonfinite16 of every value read
-  for (int64_t c0 = 0; c0 < d; c0 += 16) {
-    F32x16 l, h, v;
-    splat16(INFINITY, l);
-    splat16(-INFINITY, h);
+inline void k_group_lohi(const T* x, int64_t d, int n_real, const uint8_t* slot_of, float* lo,
+                         float* hi, int* bad) {
+  const VecF inf = VecF{} + INFINITY;
+  VecI nonfinite = VecI{};
+  for (int64_t c0 = 0; c0 < d; c0 += kW) {
+    VecF l = inf, h = -inf, v;
     for (int j = 0; j < n_real; ++j) {
-      load16(x + j * d + c0, v);
-      or_nonfinite16(v, nonfinite);
+      load_w(x + j * d + c0, v);
+      or_nonfinite(v, nonfinite);
       if (slot_of == nullptr || slot_of[j] == math::kProtUnused) {
-        min16(v, l, l);
-        max16(v, h, h);
+        l = v < l ? v : l;
+        h = v > h ? v : h;
       }
     }
     std::memcpy(lo + c0, &l, sizeof(l));
     std::memcpy(hi + c0, &h, sizeof(h));
   }
-  if (any_bits16(nonfinite)) *bad = 1;
+  if (any_lane(nonfinite)) *bad = 1;
 }
 #endif
 
@@ -730,9 +721,9 @@ void k_group_ranges(const T* x, int64_t d, int n_real, int bits, const uint8_t* 
                     T* scale_out, T* min_out, float* sf, float* mf, float* rf, int* status) {
   float lo[math::kQuantMaxHeadDim], hi[math::kQuantMaxHeadDim];
   int bad = 0;
-#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
-  if (d % 16 == 0) {
-    k_group_lohi16(x, d, n_real, slot_of, lo, hi, &bad);
+#if DLLM_QUANT_SHUFFLE
+  if (d % kW == 0) {
+    k_group_lohi(x, d, n_real, slot_of, lo, hi, &bad);
   } else  // NOLINT(readability/braces): the loop below is the other branch
 #endif
   {
@@ -872,7 +863,7 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
 // The least of lo's 16 lanes and the greatest of hi's, as values (which of
 // equal lanes, a +0 or a -0, comes out is not the generic loop's): the two
 // halves folded, then merge_lanes' 8-lane tree (one register in the AVX2 copy).
-inline void ends16(const F32x16& lo, const F32x16& hi, float& mn, float& mx) {
+inline void ends16(const VecF& lo, const VecF& hi, float& mn, float& mx) {
   Lanes8 l[2], h[2];
   std::memcpy(l, &lo, sizeof(l));
   std::memcpy(h, &hi, sizeof(h));
@@ -884,9 +875,9 @@ inline void ends16(const F32x16& lo, const F32x16& hi, float& mn, float& mx) {
 
 // Quantizes n_rows consecutive V rows (quantize_v_row's outputs). The
 // byte-shuffle copies with G >= 16 take a block of rows at a time: each
-// group's range (AVX-512: in 16 lanes, an end that is 0 from v_group_range
-// instead, whose lane order decides whether it is +0 or -0; AVX2:
-// v_group_range), the block's scales and
+// group's range in kW lanes (AVX2: v_group_range's 8 lanes; AVX-512: an end
+// that is 0 from v_group_range instead, whose lane order decides whether it
+// is +0 or -0), the block's scales and
 // mins in one scale_min_row call (a vector loop, where a row's few groups
 // leave it scalar), then the codes 16 at a time (quant_codes16).
 template <typename T>
@@ -900,26 +891,24 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
     constexpr int64_t kBlock = 64;  // groups of a block (a row has at most 256 / 16)
     const int64_t rows_per_block = std::max<int64_t>(1, kBlock / ng);
     float glo[kBlock], ghi[kBlock], sg[kBlock], mg[kBlock];
-#if DLLM_VEC_FLOATS >= 16
-    F32x16 nonfinite = F32x16{};  // or_nonfinite16 of every value read
-#endif
+    VecI nonfinite = VecI{};
     int overflow = 0, bad = 0;
     for (int64_t r0 = 0; r0 < n_rows; r0 += rows_per_block) {
       const int64_t n = std::min(rows_per_block, n_rows - r0) * ng;
       const T* xb = x + r0 * d;  // group i of the block: channels i * G ..
       for (int64_t i = 0; i < n; ++i) {
         const T* xg = xb + i * G;
-#if DLLM_VEC_FLOATS >= 16
-        F32x16 lo, hi, v;
-        load16(xg, lo);
+        VecF lo, hi, v;
+        load_w(xg, lo);
         hi = lo;
-        or_nonfinite16(lo, nonfinite);
-        for (int c = 16; c < G; c += 16) {
-          load16(xg + c, v);
-          or_nonfinite16(v, nonfinite);
-          min16(v, lo, lo);
-          max16(v, hi, hi);
+        or_nonfinite(lo, nonfinite);
+        for (int c = kW; c < G; c += kW) {
+          load_w(xg + c, v);
+          or_nonfinite(v, nonfinite);
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
         }
+#if DLLM_VEC_FLOATS >= 16
         ends16(lo, hi, glo[i], ghi[i]);
         if (glo[i] == 0.f || ghi[i] == 0.f) {
           float xf[math::kQuantMaxGroup];
@@ -928,9 +917,8 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
           glo[i] = r.mn, ghi[i] = r.mx;
         }
 #else
-        float xf[math::kQuantMaxGroup];
-        widen_row(xg, xf, G);
-        const math::QuantRange r = v_group_range(xf, G, bad);
+        // 8 lanes over channels l, l + 8, ...: v_group_range's lanes, so its bits
+        const math::QuantRange r = merge_lanes(lo, hi);
         glo[i] = r.mn, ghi[i] = r.mx;
 #endif
       }
@@ -952,9 +940,7 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
         }
       }
     }
-#if DLLM_VEC_FLOATS >= 16
-    if (any_bits16(nonfinite)) bad = 1;
-#endif
+    if (any_lane(nonfinite)) bad = 1;
     if (bad) st |= math::kQuantNonFinite;
     if (overflow) st |= math::kQuantRangeOverflow;
     return;

@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>  // select_kernels.h: F16C widening of fp16 in the AVX2 / AVX-512 copies
+#endif
+
 #include "aten/dispatch.h"
 #include "aten/select_checks.h"
 #include "cpu/isa.h"

@@ -91,6 +91,38 @@ struct LaneSum {
   vf value() const { return s - c; }
 };
 
+// kVec elements widened to fp32 lanes in registers (the conversions are exact,
+// so every copy reads the same values): bf16 is the top half of an fp32, fp16
+// converts with F16C's vcvtph2ps in the AVX2 / AVX-512 copies.
+typedef uint16_t vu16 __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));
+typedef _Float16 vf16 __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));
+
+inline vf vload_widen(const float* p) { return vload(p); }
+inline vf vload_widen(const at::BFloat16* p) {
+  vu16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return (vf)(__builtin_convertvector(raw, vi) << 16);
+}
+inline vf vload_widen(const at::Half* p) {
+#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 8
+  // F16C by intrinsic: GCC 12 converts a _Float16 vector one lane at a time
+  // (an insert and a scalar vcvtph2ps per value) without AVX512-FP16.
+#if DLLM_VEC_FLOATS >= 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 w = _mm512_maskz_cvtph_ps(0xffff, h);  // (GCC 12 warns on the unmasked form)
+#else
+  const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  vf v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#else
+  vf16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vf);
+#endif
+}
+
 inline void load_chunk(const float* __restrict__ x, int n, float* __restrict__ buf) {
   std::memcpy(buf, x, sizeof(float) * n);
 }
@@ -100,7 +132,14 @@ inline void load_chunk(const at::BFloat16* __restrict__ x, int n, float* __restr
   for (int i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;  // fp32's top half
 }
 inline void load_chunk(const at::Half* __restrict__ x, int n, float* __restrict__ buf) {
-  for (int i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+  int i = 0;
+#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 8
+  for (; i + kVec <= n; i += kVec) {  // F16C (c10's scalar conversion does not vectorize)
+    const vf v = vload_widen(x + i);
+    std::memcpy(buf + i, &v, sizeof(v));
+  }
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(x[i]);
 }
 
 // Converts logits [c0, c0 + n) into buf, sets suppressed ids to -inf (*pos
@@ -290,24 +329,6 @@ void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const fl
 // ============================================================================
 // cosine_drift
 // ============================================================================
-// kVec elements widened to fp32 lanes in registers (the conversions are exact,
-// so every copy reads the same values): bf16 is the top half of an fp32, fp16
-// converts with F16C's vcvtph2ps in the AVX2 / AVX-512 copies.
-typedef uint16_t vu16 __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));
-typedef _Float16 vf16 __attribute__((vector_size(2 * DLLM_VEC_FLOATS)));
-
-inline vf vload_widen(const float* p) { return vload(p); }
-inline vf vload_widen(const at::BFloat16* p) {
-  vu16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  return (vf)(__builtin_convertvector(raw, vi) << 16);
-}
-inline vf vload_widen(const at::Half* p) {
-  vf16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vf);
-}
-
 // 1 - cos(x, y) of one row. Two vectors per step give each of the three sums
 // two independent chains; the lanes are folded once at the end (the order of
 // the additions differs between copies: the tests allow for it).
