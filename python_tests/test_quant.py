@@ -374,8 +374,9 @@ def test_quantize_cpu_codes_at_rounding_ties(monkeypatch, isa):
             ties = ((x.double() / (x[:, 1:2].double() / (2 ** bits - 1))) % 1 == 0.5).sum()
             assert ties > 0, "no exact tie generated"
             v = x.reshape(1, 1, n * G // d, d)                   # V: groups along channels
-            _assert_equal(tuple(dllm_ops.quantize_v(v, bits, G))[:3], reference.quantize_v(v, bits, G),
-                          ("codes", "scale", "min"), f"V {dtype} bits={bits}")
+            got = tuple(dllm_ops.quantize_v(v, bits, G))[:3]
+            _assert_equal(got, reference.quantize_v(v, bits, G), ("codes", "scale", "min"),
+                          f"V {dtype} bits={bits}")
             k = x.reshape(n // d, d, G).transpose(1, 2).reshape(1, 1, n // d * G, d)
             got = dllm_ops.quantize_k(k, bits, G)                # K: groups along tokens
             _assert_equal(tuple(got)[:5], reference.quantize_k(k, bits, G, 0, None), K_NAMES,

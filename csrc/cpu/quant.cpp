@@ -87,9 +87,9 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
       } else {
         std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
       }
+      uint8_t* out = codes + (bh * s.rows + g * rows_per_group) * d;
       DLLM_ISA_CALL(isa, quantize_k_group(x, d, n_real, G, bits, slot_of, scale + u * d,
-                                          mn + u * d, codes + (bh * s.rows + g * rows_per_group) * d,
-                                          &st));
+                                          mn + u * d, out, &st));
       for (int sl = 0; sl < p; ++sl) {
         prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
         T* pv = prot_val + (u * p + sl) * d;
@@ -200,8 +200,8 @@ void k_quant_error_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, float*
       const int64_t g = u % s.n_groups, bh = u / s.n_groups;
       const int n_real = m::group_tokens(s.T, G, g);
       const T* x = k + (bh * s.T + g * G) * d;
-      DLLM_ISA_CALL(isa, k_group_ranges<T>(x, d, n_real, bits, nullptr, nullptr, nullptr, sf, mf, rf,
-                                        &st));
+      DLLM_ISA_CALL(isa, k_group_ranges<T>(x, d, n_real, bits, nullptr, nullptr, nullptr, sf,
+                                           mf, rf, &st));
       for (int j = 0; j < n_real; ++j) {
         // the row's codes and dequantized values, as quantize_k / dequantize_k make them
         const T* row = x + j * d;

@@ -2,8 +2,11 @@
 // per instruction set (cpu/isa.h; no include guard). Every copy gives the
 // bits of the oracle, which the tests check exactly:
 // - quantization is a subtraction, a division and the add / subtract pair of
-//   math::round_half_even_small: nothing an FMA could contract, so these are
-//   plain loops GCC vectorizes (V rows' codes: AVX2 / AVX-512 intrinsics, below);
+//   math::round_half_even_small: nothing an FMA could contract, so the
+//   generic copy's are plain loops GCC vectorizes; the AVX2 / AVX-512 copies
+//   multiply by the scale's reciprocal instead and redo the division only
+//   for lanes near a rounding tie (quant_codes16, with the bound that makes
+//   it exact);
 // - dequantization rounds the product code * scale, then the sum with the
 //   min, one at a time (math::dequant_value). With FMA, GCC fuses such a pair
 //   (it even turns dequant_value's double-precision steps back into fp32
@@ -228,8 +231,9 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
   } else {  // F16C, as store_rounded8
     __m512 x;
     std::memcpy(&x, &v, sizeof(x));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                        _mm512_maskz_cvtps_ph(0xffff, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i h =
+        _mm512_maskz_cvtps_ph(0xffff, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);
   }
 #else
   typedef float F32x8 __attribute__((vector_size(32)));
@@ -862,7 +866,7 @@ void quantize_v_row(const QuantVShape& s, const T* x_, uint8_t* codes, T* scale,
 #if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
 // The least of lo's 16 lanes and the greatest of hi's, as values (which of
 // equal lanes, a +0 or a -0, comes out is not the generic loop's): the two
-// halves folded, then merge_lanes' 8-lane tree (one register in the AVX2 copy).
+// halves folded, then merge_lanes' 8-lane tree.
 inline void ends16(const VecF& lo, const VecF& hi, float& mn, float& mx) {
   Lanes8 l[2], h[2];
   std::memcpy(l, &lo, sizeof(l));
@@ -877,9 +881,9 @@ inline void ends16(const VecF& lo, const VecF& hi, float& mn, float& mx) {
 // byte-shuffle copies with G >= 16 take a block of rows at a time: each
 // group's range in kW lanes (AVX2: v_group_range's 8 lanes; AVX-512: an end
 // that is 0 from v_group_range instead, whose lane order decides whether it
-// is +0 or -0), the block's scales and
-// mins in one scale_min_row call (a vector loop, where a row's few groups
-// leave it scalar), then the codes 16 at a time (quant_codes16).
+// is +0 or -0), the block's scales and mins in one scale_min_row call (a
+// vector loop, where a row's few groups leave it scalar), then the codes 16
+// at a time (quant_codes16).
 template <typename T>
 DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t* codes, T* scale,
                                        T* mn, int64_t n_rows, int& st) {
