@@ -184,27 +184,52 @@ inline void dequant_sum(const F32x16& code, const F32x16& s, const F32x16& m, F3
   v = prod + m;
 }
 
-// Eight values of an fp32 vector rounded to T into o (AVX2's half of
-// dequant16).
+// The integer vectors of n lanes that store_rounded rounds bf16 in.
+template <int n>
+struct RoundLanes;
+template <>
+struct RoundLanes<8> {
+  typedef uint32_t U32 __attribute__((vector_size(32)));
+  typedef uint16_t U16 __attribute__((vector_size(16)));
+};
+template <>
+struct RoundLanes<16> {
+  typedef U32x16 U32;
+  typedef U16x16 U16;
+};
+
+// The 8 or 16 fp32 lanes of v rounded to T into o (dequant16's store).
 template <typename T, typename V>
-inline void store_rounded8(const V& v, typename cpu::Elem<T>::Bits* o) {
-  typedef uint32_t U32x8 __attribute__((vector_size(32)));
-  typedef uint16_t U16x8 __attribute__((vector_size(16)));
+inline void store_rounded(const V& v, typename cpu::Elem<T>::Bits* o) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  static_assert(n == 8 || n == 16, "one AVX2 or AVX-512 register of floats");
+  using U32 = typename RoundLanes<n>::U32;
+  using U16 = typename RoundLanes<n>::U16;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(o, &v, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    U32x8 b, r;
+    U32 b, r;
     std::memcpy(&b, &v, sizeof(b));
     cpu::bf16_round_bits(b, r);
-    const U16x8 h = __builtin_convertvector(r, U16x8);
+    const U16 h = __builtin_convertvector(r, U16);
     std::memcpy(o, &h, sizeof(h));
   } else {
     // F16C: round to nearest even, as c10::Half; a NaN keeps its payload's
     // top bits where c10 writes its canonical NaN.
-    __m256 x;
-    std::memcpy(&x, &v, sizeof(x));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#if DLLM_VEC_FLOATS >= 16
+    if constexpr (n == 16) {
+      __m512 x;
+      std::memcpy(&x, &v, sizeof(x));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_maskz_cvtps_ph(0xffff, x, kRound));
+      return;
+    }
+#endif
+    if constexpr (n == 8) {
+      __m256 x;
+      std::memcpy(&x, &v, sizeof(x));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_cvtps_ph(x, kRound));
+    }
   }
 }
 
@@ -220,21 +245,7 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
   widen_codes(code, ci);
   F32x16 v;
   dequant_sum(__builtin_convertvector(ci, F32x16), s, m, v);
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(o, &v, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    U32x16 b, r;
-    std::memcpy(&b, &v, sizeof(b));
-    cpu::bf16_round_bits(b, r);
-    const U16x16 h = __builtin_convertvector(r, U16x16);
-    std::memcpy(o, &h, sizeof(h));
-  } else {  // F16C, as store_rounded8
-    __m512 x;
-    std::memcpy(&x, &v, sizeof(x));
-    const __m256i h =
-        _mm512_maskz_cvtps_ph(0xffff, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);
-  }
+  store_rounded<T>(v, o);
 #else
   typedef float F32x8 __attribute__((vector_size(32)));
   __m128i c;
@@ -247,7 +258,7 @@ inline void dequant16(const U8x16& code, const F32x16& s, const F32x16& m,
     std::memcpy(&mv, reinterpret_cast<const float*>(&m) + 8 * h, sizeof(mv));
     prod *= sv;
     asm("" : "+v"(prod));  // as opaque: the product is rounded, never fused with the sum
-    store_rounded8<T>(prod + mv, o + 8 * h);
+    store_rounded<T>(prod + mv, o + 8 * h);
   }
 #endif
 }
