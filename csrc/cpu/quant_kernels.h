@@ -221,7 +221,8 @@ inline void store_rounded(const V& v, typename cpu::Elem<T>::Bits* o) {
     if constexpr (n == 16) {
       __m512 x;
       std::memcpy(&x, &v, sizeof(x));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_maskz_cvtps_ph(0xffff, x, kRound));
+      const __m256i h = _mm512_maskz_cvtps_ph(0xffff, x, kRound);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);
       return;
     }
 #endif
@@ -1078,27 +1079,11 @@ inline __m512i v_table(const F32x16& v, bool no_nan) {
                                    : _mm512_set4_epi32((7 << 16) | 5, (3 << 16) | 1,
                                                        (7 << 16) | 5, (3 << 16) | 1);
     return _mm512_maskz_permutexvar_epi16(~0u, high, bf16_round_high(v, no_nan));
-  } else {  // fp16: rounded one at a time (cpu::Elem), as dequant16 does
+  } else {  // fp16: rounded as dequant16 does (store_rounded)
     (void)no_nan;
-    float f[16];
-    std::memcpy(f, &v, sizeof(f));
     alignas(32) c10::Half h[16];
-    for (int i = 0; i < 16; ++i) h[i] = cpu::Elem<T>::store(f[i]);
+    store_rounded<T>(v, h);
     return VLookup<uint16_t>::template table<bits>(reinterpret_cast<const uint16_t*>(h));
-  }
-}
-
-// 16 bf16 or fp32 values widened into out with one vector store.
-template <typename T>
-inline void widen16(const T* x, float* out) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    U16x16 h;
-    std::memcpy(&h, x, sizeof(h));
-    const U32x16 w = __builtin_convertvector(h, U32x16) << 16;
-    std::memcpy(out, &w, sizeof(w));
-  } else {
-    static_assert(std::is_same_v<T, float>, "bf16 or fp32");
-    std::memcpy(out, x, 16 * sizeof(float));
   }
 }
 
@@ -1122,17 +1107,15 @@ DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t
   alignas(64) float sv[16], mv[16];
   for (int64_t u0 = 0; u0 < units; u0 += 16) {
     const int k = static_cast<int>(std::min<int64_t>(16, units - u0));
-    bool widened = false;
-    if constexpr (!std::is_same_v<T, c10::Half>) {
-      if (k == 16) {
-        // one vector store each: 16 scalar stores read back as a vector
-        // would stall (no store forwarding)
-        widen16(scale + u0, sv);
-        widen16(mn + u0, mv);
-        widened = true;
-      }
-    }
-    if (!widened) {
+    if (k == 16) {
+      // one vector store each: 16 scalar stores read back as a vector would
+      // stall (no store forwarding)
+      F32x16 w;
+      load16(scale + u0, w);
+      std::memcpy(sv, &w, sizeof(w));
+      load16(mn + u0, w);
+      std::memcpy(mv, &w, sizeof(w));
+    } else {
       for (int j = 0; j < 16; ++j) {
         sv[j] = j < k ? widen(scale[u0 + j]) : 0.f;
         mv[j] = j < k ? widen(mn[u0 + j]) : 0.f;
