@@ -163,6 +163,39 @@ def test_rope_scatter_kv_matches_reference(backend, dtype):
             assert torch.equal(got_q[b][idx[b] < 0], q[b][idx[b] < 0]), label
 
 
+def test_rope_scatter_kv_cpu_bf16_same_bits_at_avx512bf16(monkeypatch):
+    """At the avx512bf16 level bf16 RoPE rows round with AVX512-BF16's
+    conversion, which flushes subnormal results, so a block holding one
+    rounds in software (csrc/cpu/sparse_kv_kernels.h, rotate_row_bf16_insn):
+    the rows equal the AVX-512 copy's bit for bit, with NaN / inf / huge
+    inputs, rows small enough that their results are subnormal, head dims
+    with and without a tail after the 32-pair blocks, q rotated in place."""
+    g = _gen(21)
+    B, Q, H, H_kv, T = 2, 5, 4, 2, 12
+    subnormal_outputs = 0
+    for d in (16, 64, 80, 128, 256):
+        q, k, v = _rnd(g, B, Q, H, d), _rnd(g, B, Q, H_kv, d), _rnd(g, B, Q, H_kv, d)
+        q[0, 0] *= 1e-38                          # rows rotated into subnormals
+        k[1, 2] *= 2e-38
+        q.view(-1)[::7], k.view(-1)[3::11] = float("nan"), float("inf")
+        q.view(-1)[5::13], k.view(-1)[1::17] = 3e38, -1e-39
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        idx = torch.stack([torch.randperm(T, generator=g)[:Q] for _ in range(B)])
+        table = rope_cos_sin(500000.0, d, 64)  # LLaDA's theta
+        outs = {}
+        for isa in ("avx512", "avx512bf16"):
+            monkeypatch.setenv("DLLM_CPU_ISA", isa)
+            qq, kc = q.clone(), torch.zeros(B, H_kv, T, d, dtype=torch.bfloat16)
+            vc = torch.zeros_like(kc)
+            dllm_ops.rope_scatter_kv(qq, k, v, idx, table, kc, vc, idx)
+            outs[isa] = [t.view(torch.int16) for t in (qq, kc, vc)]
+        for name, a, b in zip(("q", "k_cache", "v_cache"), outs["avx512"], outs["avx512bf16"]):
+            assert torch.equal(a, b), f"d={d} {name}: {(a != b).sum()} values differ"
+        small = outs["avx512"][0].view(torch.bfloat16).float().abs()
+        subnormal_outputs += ((small > 0) & (small < 2.0 ** -126)).sum().item()
+    assert subnormal_outputs > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cache_equals_prerope_storage_rotated_at_read(backend, dtype):

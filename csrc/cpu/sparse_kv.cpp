@@ -5,6 +5,10 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>  // sparse_kv_kernels.h: AVX512-BF16 rounding of RoPE rows
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -53,15 +57,17 @@ void rotate_row(const T* src, T* dst, int64_t stride_src, int64_t stride_dst, co
   }
 }
 
-// A contiguous head row: fp32 / bf16 through the vectorized copy for `isa`;
-// fp16 keeps c10's conversions in the baseline build (a rare cache dtype).
+// A contiguous head row: fp32 / bf16 through the vectorized copy for `isa`
+// (bf16 at the avx512bf16 level with AVX512-BF16's rounding); fp16 keeps
+// c10's conversions in the baseline build (a rare cache dtype).
 template <typename T>
 void rotate_row_contig(cpu::Isa isa, const T* src, T* dst, const float* cos_a,
                        const float* sin_a, int64_t half) {
   if constexpr (std::is_same_v<T, at::Half>) {
     rotate_row(src, dst, 1, 1, cos_a, sin_a, half);
   } else {
-    DLLM_ISA_CALL(isa, rotate_row_contig(src, dst, cos_a, sin_a, half));
+    DLLM_ISA_CALL(isa, rotate_row_contig(src, dst, cos_a, sin_a, half,
+                                         isa == cpu::Isa::kAvx512Bf16));
   }
 }
 
