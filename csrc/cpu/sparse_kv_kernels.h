@@ -18,10 +18,12 @@
 // time in registers (each block is read before it is written, so src == dst
 // is safe): VCVTNE2PS2BF16 rounds as cpu::bf16_round_bits does except that
 // it flushes subnormals (quant_kernels.h, dequant_row_bf16_insn), so a block
-// holding a subnormal result is rounded by bf16_bits_rne instead. The
-// rounding is the one change: about 40 of the generic loop's 66
-// instructions per 32 pairs, 2 here. The products are formed as GCC forms
-// rope_rotate_pair's in the loop below (the first one fused).
+// holding a subnormal result is rounded by bf16_bits_rne instead. What it
+// saves: the generic loop's rounding (about 40 of its 66 instructions per
+// 32 pairs, 2 conversions here) and its staging rows. lo * cos is fused
+// with -(hi * sin) and hi * cos with lo * sin, as GCC contracts
+// rope_rotate_pair in the generic loop below, so the bits are that copy's
+// (test_sparse_kv.py checks them).
 __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void rotate_row_bf16_insn(
     const uint16_t* src, uint16_t* dst, const float* __restrict__ cos_a,
     const float* __restrict__ sin_a, int64_t half) {
