@@ -69,10 +69,11 @@ __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void rotate_row_b
 }
 #endif
 
-// Contiguous head rows of fp32 / bf16, the common case: widened into fp32
-// staging rows first, so src == dst (q in place) is safe and both loops
-// vectorize. half <= kSparseKvMaxHeadDim / 2. bf16_insn: bf16 rows through
-// rotate_row_bf16_insn (the AVX-512 copy at the avx512bf16 level).
+// Contiguous head rows of fp32 / bf16, the common case. fp32 goes a register
+// of pairs at a time; bf16 is widened into fp32 staging rows first, so
+// src == dst (q in place) is safe and both loops vectorize, or with
+// bf16_insn goes through rotate_row_bf16_insn (the AVX-512 copy at the
+// avx512bf16 level). half <= kSparseKvMaxHeadDim / 2.
 template <typename T>
 DLLM_CPU_NOINLINE void rotate_row_contig(const T* src_, T* dst_, const float* __restrict__ cos_a,
                                          const float* __restrict__ sin_a, int64_t half,
@@ -87,6 +88,30 @@ DLLM_CPU_NOINLINE void rotate_row_contig(const T* src_, T* dst_, const float* __
   }
 #endif
   (void)bf16_insn;
+  if constexpr (std::is_same_v<T, float>) {
+    // fp32 needs no widening: one register of pairs at a time, each block
+    // read before it is written (src == dst safe), no staging rows.
+    typedef float Reg __attribute__((vector_size(4 * DLLM_VEC_FLOATS)));
+    constexpr int64_t kW = DLLM_VEC_FLOATS;
+    int64_t i = 0;
+    for (; i + kW <= half; i += kW) {
+      Reg lo, hi, c, s;
+      std::memcpy(&lo, src_ + i, sizeof(Reg));
+      std::memcpy(&hi, src_ + i + half, sizeof(Reg));
+      std::memcpy(&c, cos_a + i, sizeof(Reg));
+      std::memcpy(&s, sin_a + i, sizeof(Reg));
+      const Reg r_lo = lo * c - hi * s, r_hi = hi * c + lo * s;
+      std::memcpy(dst_ + i, &r_lo, sizeof(Reg));
+      std::memcpy(dst_ + i + half, &r_hi, sizeof(Reg));
+    }
+    for (; i < half; ++i) {
+      const math::RotatedPair r =
+          math::rope_rotate_pair(src_[i], src_[i + half], cos_a[i], sin_a[i]);
+      dst_[i] = r.lo;
+      dst_[i + half] = r.hi;
+    }
+    return;
+  }
   using E = cpu::Elem<T>;
   const auto* src = reinterpret_cast<const typename E::Bits*>(src_);
   auto* dst = reinterpret_cast<typename E::Bits*>(dst_);
