@@ -110,17 +110,17 @@ DLLM_CPU_NOINLINE void rotate_row_contig(const T* src_, T* dst_, const float* __
       dst_[i] = r.lo;
       dst_[i + half] = r.hi;
     }
-    return;
-  }
-  using E = cpu::Elem<T>;
-  const auto* src = reinterpret_cast<const typename E::Bits*>(src_);
-  auto* dst = reinterpret_cast<typename E::Bits*>(dst_);
-  float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
-  for (int64_t i = 0; i < half; ++i) lo[i] = E::load(src[i]), hi[i] = E::load(src[i + half]);
-  for (int64_t i = 0; i < half; ++i) {
-    const math::RotatedPair r = math::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
-    dst[i] = E::store(r.lo);
-    dst[i + half] = E::store(r.hi);
+  } else {
+    using E = cpu::Elem<T>;
+    const auto* src = reinterpret_cast<const typename E::Bits*>(src_);
+    auto* dst = reinterpret_cast<typename E::Bits*>(dst_);
+    float lo[kSparseKvMaxHeadDim / 2], hi[kSparseKvMaxHeadDim / 2];
+    for (int64_t i = 0; i < half; ++i) lo[i] = E::load(src[i]), hi[i] = E::load(src[i + half]);
+    for (int64_t i = 0; i < half; ++i) {
+      const math::RotatedPair r = math::rope_rotate_pair(lo[i], hi[i], cos_a[i], sin_a[i]);
+      dst[i] = E::store(r.lo);
+      dst[i + half] = E::store(r.hi);
+    }
   }
 }
 
