@@ -8,9 +8,11 @@ as median time, bytes moved per second, that rate as a % of the machine's copy
 bandwidth (also measured in this run: a 256 MB copy, so DRAM), the same rate
 as a % of a copy that moves the case's own byte count (%copy@size: on a CPU
 whose last-level cache holds the case, the yardstick of the cache the op
-actually streams from) and the baseline-time / kernel-time speed-up. On the
-CPU it also reports the instruction set the kernels run (csrc/cpu/isa.h;
-DLLM_CPU_ISA=generic|avx2|avx512|avx512bf16 caps it).
+actually streams from) and the baseline-time / kernel-time speed-up. A case's
+kernel, baselines and same-sized copy are timed in alternating rounds
+(bench/timing.py), so a machine whose speed drifts during the run slows them
+alike. On the CPU it also reports the instruction set the kernels run
+(csrc/cpu/isa.h; DLLM_CPU_ISA=generic|avx2|avx512|avx512bf16 caps it).
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def _fmt_row(r):
             f"{r['speedup']:>8.2f}")
 
 
+_COPY = " copy@size"  # the yardstick's key among a case's timed functions (no case's name)
+
+
 def cpu_isa() -> tuple[str, str]:
     """(the instruction set the CPU kernels run now, after DLLM_CPU_ISA; the
     widest this CPU runs), from the built kernels (torch.ops.dllm_cpu.isa)."""
@@ -41,7 +46,7 @@ def cpu_isa() -> tuple[str, str]:
 def cmd_ops(args) -> int:
     import dllm_ops  # noqa: F401  (registers the ops)
     from bench.cases import CASES
-    from bench.timing import copy_bandwidth, median_seconds
+    from bench.timing import copy_bandwidth, copy_fn, interleaved_medians
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -66,18 +71,22 @@ def cmd_ops(args) -> int:
     print(header)
     print("-" * len(header))
     rows = []
-    copy_at: dict[int, float] = {}  # bytes moved -> copy rate at that size
     for case in cases:
         dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else case.dtypes
         for dtype in dtypes:
             inputs = case.make(device, dtype)
             nbytes = case.nbytes(inputs)
-            if nbytes > 0 and nbytes not in copy_at:  # a copy of n bytes moves 2n
-                copy_at[nbytes] = copy_bandwidth(device, max(1, nbytes // 2))
-            size_bw = copy_at.get(nbytes, 0.0)
-            t_kernel = median_seconds(lambda: case.run(*inputs), device)
-            impls = [("dllm", t_kernel)] + [
-                (name, median_seconds(lambda f=f: f(*inputs), device)) for name, f in case.baselines.items()]
+            # The kernel, its baselines and a copy of as many bytes (it moves
+            # 2 * (nbytes // 2)), timed in alternating rounds: their ratios
+            # survive the machine's speed drifting during the run.
+            fns = {"dllm": lambda: case.run(*inputs)}
+            fns.update({name: (lambda f=f: f(*inputs)) for name, f in case.baselines.items()})
+            if nbytes > 1:
+                fns[_COPY] = copy_fn(device, nbytes // 2)
+            times = interleaved_medians(fns, device)
+            size_bw = 2 * (nbytes // 2) / times.pop(_COPY) if nbytes > 1 else 0.0
+            t_kernel = times["dllm"]
+            impls = list(times.items())
             for impl, t in impls:
                 r = dict(op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""),
                          impl=impl, median_us=t * 1e6, **{"GB/s": nbytes / t / 1e9},
@@ -89,7 +98,7 @@ def cmd_ops(args) -> int:
                 print(_fmt_row(r), flush=True)
     print("speedup = impl time / dllm time (>1 means the baseline is slower); "
           "GB/s counts the bytes the op must read and write; %copy@size compares it "
-          "with a copy moving as many bytes (measured in this run).")
+          "with a copy moving as many bytes (timed in alternating rounds with the case).")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
