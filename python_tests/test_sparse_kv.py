@@ -124,6 +124,18 @@ def rope_inputs(dtype, seed=0):
             pos[0, Q - n_pad:] = 10 ** 6  # padding: its position is never read
         kc, vc = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
         yield q, k, v, pos, table, kc, vc, _slots(g, B, Q, T, n_pad), f"{(B, Q, H, H_kv, T, d)} pad={n_pad}"
+    # Consecutive slots (a decoding block, a refreshed canvas), which the CPU
+    # kernel writes one KV head at a time per block of tokens; row 0 ends in
+    # padding, row 1 starts mid-cache.
+    B, Q, H, H_kv, T, d = 2, 40, 4, 2, 70, 64
+    table = rope_cos_sin(10000.0, d, P)
+    q = _rnd(g, B, Q, H, d, dtype=dtype)
+    k, v = _rnd(g, B, Q, H_kv, d, dtype=dtype), _rnd(g, B, Q, H_kv, d, dtype=dtype)
+    pos = torch.randint(0, P, (B, Q), generator=g)
+    idx = torch.stack([torch.arange(3, 3 + Q), torch.arange(25, 25 + Q)])
+    idx[0, Q - 3:] = -1
+    kc, vc = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
+    yield q, k, v, pos, table, kc, vc, idx, f"{(B, Q, H, H_kv, T, d)} consecutive slots"
     # Non-contiguous everything: q / k / v as transposed views, caches as
     # slices of larger buffers (row stride != d * T), positions != slots.
     B, Q, H, H_kv, T, d = 2, 4, 4, 2, 11, 32
@@ -194,6 +206,43 @@ def test_rope_scatter_kv_cpu_bf16_same_bits_at_avx512bf16(monkeypatch):
         small = outs["avx512"][0].view(torch.bfloat16).float().abs()
         subnormal_outputs += ((small > 0) & (small < 2.0 ** -126)).sum().item()
     assert subnormal_outputs > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_scatter_kv_in_one_call_equals_a_call_per_token(backend, dtype):
+    """Tokens going to consecutive slots are written one KV head at a time
+    per block of 16 tokens on the CPU (csrc/cpu/sparse_kv.cpp), others one
+    token at a time: whatever the order, each row is the same computation,
+    so one call equals a call per token bit for bit. Runs of consecutive
+    slots shorter and longer than a block, broken by padding and by a jump,
+    across two batch rows; contiguous tensors and strided views."""
+    g = _gen(23)
+    f = op(backend, "rope_scatter_kv")
+    B, Q, H, H_kv, T, d = 2, 45, 4, 2, 90, 128
+    runs = torch.cat([torch.arange(0, 20), torch.tensor([-1]), torch.arange(21, 30),
+                      torch.arange(50, 65)])  # 20 + pad + 9 + a jump + 15 = 45
+    idx = torch.stack([runs, torch.arange(40, 40 + Q)])
+    pos = torch.randint(0, 128, (B, Q), generator=g)
+    table = rope_cos_sin(500000.0, d, 128)
+    for strided in (False, True):
+        if strided:
+            q = _rnd(g, B, H, Q, d, dtype=dtype).transpose(1, 2)
+            k = _rnd(g, B, H_kv, Q, d, dtype=dtype).transpose(1, 2)
+            v = _rnd(g, Q, B, H_kv, d, dtype=dtype).transpose(0, 1)
+            kc = _rnd(g, B, H_kv, T, 2 * d, dtype=dtype)[..., 1::2]
+            vc = _rnd(g, B, H_kv, T + 3, d, dtype=dtype)[:, :, 3:]
+        else:
+            q, k, v = (_rnd(g, B, Q, n, d, dtype=dtype) for n in (H, H_kv, H_kv))
+            kc, vc = _rnd(g, B, H_kv, T, d, dtype=dtype), _rnd(g, B, H_kv, T, d, dtype=dtype)
+        one_q, one_kc, one_vc = _run_rope(f, backend, q, k, v, pos, table, kc, vc, idx)
+        q_, k_, v_, pos_, tab_, kc_, vc_ = to(backend, q.clone(), k, v, pos, table, kc.clone(),
+                                              vc.clone())
+        for j in range(Q):
+            f(q_[:, j:j + 1], k_[:, j:j + 1], v_[:, j:j + 1], pos_[:, j:j + 1], tab_, kc_, vc_,
+              to(backend, idx[:, j:j + 1].contiguous())[0])
+        for name, a, b in (("q", one_q, q_), ("k_cache", one_kc, kc_), ("v_cache", one_vc, vc_)):
+            assert torch.equal(a, b.cpu()), f"strided={strided} {name}: {(a != b.cpu()).sum()} differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

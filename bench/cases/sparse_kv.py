@@ -70,6 +70,37 @@ for _Q in (32, 768):
     ))
 
 
+# A decoding step's call: the 32 tokens of the current block go to consecutive
+# slots, and each call is another layer's (24 layers' caches, 300 MB in bf16,
+# taken in turn), so the cache rows it writes are not in cache from the call
+# before, as in a decode; the warm cases above rewrite the same rows each call.
+ROPE_LAYERS = 24
+
+
+def _rope_layers_inputs(device, dtype):
+    layers = []
+    for _ in range(ROPE_LAYERS):
+        q, k, v, pos, table, kc, vc, idx = _rope_inputs(32)(device, dtype)
+        idx = torch.arange(512, 544, device=device)[None]
+        layers.append((q, k, v, idx.clone(), table, kc, vc, idx))
+    return (layers, [0])
+
+
+def _next_layer(f):
+    def run(layers, turn):
+        turn[0] = (turn[0] + 1) % len(layers)
+        return f(*layers[turn[0]])
+    return run
+
+
+register(Case(
+    op="rope_scatter_kv", shape=f"Q32c/T{T}x{ROPE_LAYERS}L", make=_rope_layers_inputs,
+    run=_next_layer(dllm_ops.rope_scatter_kv),
+    baselines={"torch_eager": _next_layer(_torch_rope_scatter)},
+    nbytes=lambda a: _rope_bytes(a[0][0]), dtypes=(torch.bfloat16, torch.float32),
+))
+
+
 # ---- sparse_attention ---------------------------------------------------------------
 
 def _attn_inputs(Q):

@@ -71,6 +71,18 @@ void rotate_row_contig(cpu::Isa isa, const T* src, T* dst, const float* cos_a,
   }
 }
 
+// Tokens per block of rope_scatter_kv's loop (see there).
+constexpr int64_t kRopeTokenBlock = 16;
+
+// Whether tokens t0 .. t1 - 1 (flattened b * Q + j) are one batch row's and
+// go to consecutive cache slots (none of them padding).
+bool consecutive_slots(const int64_t* idx, int64_t Q, int64_t t0, int64_t t1) {
+  if (t1 - t0 < 2 || t0 / Q != (t1 - 1) / Q || idx[t0] < 0) return false;
+  for (int64_t t = t0 + 1; t < t1; ++t)
+    if (idx[t] != idx[t - 1] + 1) return false;
+  return true;
+}
+
 void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& positions, const at::Tensor& cos_sin,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -92,6 +104,13 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::rope_scatter_kv", [&] {
     const View4<scalar_t> qv(q), kv(k), vv(v), kc(k_cache), vc(v_cache);
     const bool contig = qv.s3 == 1 && kv.s3 == 1 && kc.s3 == 1;
+    auto copy_row = [&](const scalar_t* src, scalar_t* dst) {
+      if (vv.s3 == 1 && vc.s3 == 1) {
+        std::memcpy(dst, src, d * sizeof(scalar_t));
+      } else {
+        for (int64_t i = 0; i < d; ++i) dst[i * vc.s3] = src[i * vv.s3];
+      }
+    };
     auto rotate = [&](const scalar_t* src, scalar_t* dst, int64_t ss, int64_t sd, const float* c,
                       const float* s_) {
       if (contig) {
@@ -102,25 +121,48 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
     };
     at::parallel_for(0, B * Q, cpu::grain_items(cpu::kGrainRopeElems, (H + 2 * H_kv) * d),
                      [&](int64_t begin, int64_t end) {
-      for (int64_t tok = begin; tok < end; ++tok) {
+      // One token at a time, its q, K and V rows in their memory order,
+      // except where a block of kRopeTokenBlock tokens goes to consecutive
+      // slots of one batch row (a refreshed canvas, a decoding block): then
+      // the block's q rows first, and the K and V rows one head at a time,
+      // so each head's cache rows are written as one run rather than one
+      // row per head and token (64 interleaved streams for 32 KV heads).
+      auto token_rows = [&](int64_t tok) {
         const int64_t b = tok / Q, j = tok % Q, slot = idx_p[tok];
-        if (slot < 0) continue;  // padding: q, k, v of this token are left alone
+        if (slot < 0) return;  // padding: q, k, v of this token are left alone
         const float* cos_a = tab + pos_p[tok] * d;
-        const float* sin_a = cos_a + half;
         for (int64_t h = 0; h < H; ++h) {
           scalar_t* row = qv.row(b, j, h);
-          rotate(row, row, qv.s3, qv.s3, cos_a, sin_a);
+          rotate(row, row, qv.s3, qv.s3, cos_a, cos_a + half);
         }
         for (int64_t h = 0; h < H_kv; ++h) {
-          rotate(kv.row(b, j, h), kc.row(b, h, slot), kv.s3, kc.s3, cos_a, sin_a);
-          const scalar_t* src = vv.row(b, j, h);
-          scalar_t* dst = vc.row(b, h, slot);
-          if (vv.s3 == 1 && vc.s3 == 1) {
-            std::memcpy(dst, src, d * sizeof(scalar_t));
-          } else {
-            for (int64_t i = 0; i < d; ++i) dst[i * vc.s3] = src[i * vv.s3];
+          rotate(kv.row(b, j, h), kc.row(b, h, slot), kv.s3, kc.s3, cos_a, cos_a + half);
+          copy_row(vv.row(b, j, h), vc.row(b, h, slot));
+        }
+      };
+      int64_t t0 = begin;
+      while (t0 < end) {
+        const int64_t t1 = std::min(end, t0 + kRopeTokenBlock);
+        if (!consecutive_slots(idx_p, Q, t0, t1)) {
+          token_rows(t0++);
+          continue;
+        }
+        for (int64_t tok = t0; tok < t1; ++tok) {
+          const float* cos_a = tab + pos_p[tok] * d;
+          for (int64_t h = 0; h < H; ++h) {
+            scalar_t* row = qv.row(tok / Q, tok % Q, h);
+            rotate(row, row, qv.s3, qv.s3, cos_a, cos_a + half);
           }
         }
+        const int64_t b = t0 / Q;
+        for (int64_t h = 0; h < H_kv; ++h) {
+          for (int64_t tok = t0; tok < t1; ++tok)
+            rotate(kv.row(b, tok % Q, h), kc.row(b, h, idx_p[tok]), kv.s3, kc.s3,
+                   tab + pos_p[tok] * d, tab + pos_p[tok] * d + half);
+          for (int64_t tok = t0; tok < t1; ++tok)
+            copy_row(vv.row(b, tok % Q, h), vc.row(b, h, idx_p[tok]));
+        }
+        t0 = t1;
       }
     });
   });
