@@ -442,6 +442,37 @@ def test_dequantize_cpu_any_stored_scale_and_min(monkeypatch, isa):
                 want = reference.dequantize_v(c, sc, mn, bits, G)
                 same = (got.view(iv) == want.view(iv)) | (got.isnan() & want.isnan())
                 assert bool(same.all()), f"V {lab}: {int((~same).sum())} values differ"
+    # K groups whose scales and mins are normal numbers from 2^-124 to
+    # 2^-99, each min -code * scale moved by a few ulps, so that sums cancel
+    # to their last bits: the subnormal sums come from normal stored values
+    # (which the bf16 K rows at avx512bf16 must round in software, as the
+    # hardware conversion flushes them). Stored in bf16 (8-bit significands)
+    # the sums are multiples of 2^(e - 7): the groups at 2^-124 and 2^-121
+    # make them.
+    subnormal_sums = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for bits in BITS:
+            T, d, G = 128, 128, 32
+            c, sc, mn, pi, pv = reference.quantize_k(_rnd(g, 1, 2, T, d, dtype=dtype), bits, G, 0,
+                                                     None)
+            # one exponent per group (the check is skipped or not per group)
+            e = torch.tensor([-124.0, -121, -119, -116, -110, -103, -102, -99]).view(1, 2, 4, 1)
+            sign = torch.randint(0, 2, sc.shape, generator=g).float() * 2 - 1
+            s32 = sign * torch.exp2(e) * (1 + torch.rand(sc.shape, generator=g))
+            k = torch.randint(1, 1 << bits, sc.shape, generator=g).float()  # no min of 0
+            m32 = -k * s32
+            for _ in range(3):
+                step = torch.rand(sc.shape, generator=g) < 0.5
+                m32 = torch.where(step, torch.nextafter(m32, torch.full_like(m32, 1.0)), m32)
+            sc, mn = s32.to(dtype), m32.to(dtype)
+            got = torch.ops.dllm.dequantize_k(c, sc, mn, pi, pv, bits, G, T)
+            want = reference.dequantize_k(c, sc, mn, pi, pv, bits, G, T)
+            iv = {2: torch.int16, 4: torch.int32}[got.element_size()]
+            assert torch.equal(got.view(iv), want.view(iv)), \
+                f"K tiny scales {dtype} bits={bits}: {int((got.view(iv) != want.view(iv)).sum())} differ"
+            a = want.float().abs()
+            subnormal_sums += int(((a > 0) & (a < 2.0 ** -126)).sum())
+    assert subnormal_sums > 0  # the groups below the threshold do make some
 
 
 # ---- quant_attention ------------------------------------------------------------------
