@@ -27,8 +27,9 @@ SAMPLE_SECONDS = 1e-3  # CPU: calls per sample chosen so a sample lasts about th
 
 def _calls_per_sample(fn: Callable[[], object], device: torch.device) -> int:
     """CPU: how many back-to-back calls make one sample of about
-    SAMPLE_SECONDS (the best of three timed calls sets it), so the timer's
-    own cost stays negligible for microsecond kernels."""
+    SAMPLE_SECONDS (the best of up to three timed calls sets it; one that
+    already takes that long ends the count at 1), so the timer's own cost
+    stays negligible for microsecond kernels."""
     if device.type == "cuda":
         return 1
     best = float("inf")
@@ -36,6 +37,8 @@ def _calls_per_sample(fn: Callable[[], object], device: torch.device) -> int:
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        if best >= SAMPLE_SECONDS:
+            return 1
     return max(1, int(SAMPLE_SECONDS / max(best, 1e-9)))
 
 
@@ -68,7 +71,7 @@ def _samples(fn: Callable[[], object], device: torch.device, number: int, budget
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device,
                         min_run_time: float = 0.3, rounds: int = 5) -> dict[str, float]:
     """Median seconds per call of each function. After a warm-up call each
-    (first-call allocations, lazy init) and three that size its samples,
+    (first-call allocations, lazy init) and up to three that size its samples,
     `rounds` rounds each time every function for min_run_time / rounds
     seconds (on CUDA, its share of CUDA_CALLS calls), in forward order in
     even rounds and in reverse order in odd ones, so that none always runs
