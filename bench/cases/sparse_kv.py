@@ -79,10 +79,11 @@ ROPE_LAYERS = 24
 
 def _rope_layers_inputs(device, dtype):
     layers = []
+    idx = torch.arange(512, 544, device=device)[None]
     for _ in range(ROPE_LAYERS):
-        q, k, v, pos, table, kc, vc, idx = _rope_inputs(32)(device, dtype)
-        idx = torch.arange(512, 544, device=device)[None]
-        layers.append((q, k, v, idx.clone(), table, kc, vc, idx))
+        q, k, v, _pos, table, kc, vc, _idx = _rope_inputs(32)(device, dtype)
+        table = layers[0][4] if layers else table  # one table, as a model has
+        layers.append((q, k, v, idx, table, kc, vc, idx))
     return (layers, [0])
 
 

@@ -127,40 +127,36 @@ void rope_scatter_kv_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
       // the block's q rows first, and the K and V rows one head at a time,
       // so each head's cache rows are written as one run rather than one
       // row per head and token (64 interleaved streams for 32 KV heads).
-      auto token_rows = [&](int64_t tok) {
-        const int64_t b = tok / Q, j = tok % Q, slot = idx_p[tok];
-        if (slot < 0) return;  // padding: q, k, v of this token are left alone
+      auto q_rows = [&](int64_t tok) {
         const float* cos_a = tab + pos_p[tok] * d;
         for (int64_t h = 0; h < H; ++h) {
-          scalar_t* row = qv.row(b, j, h);
+          scalar_t* row = qv.row(tok / Q, tok % Q, h);
           rotate(row, row, qv.s3, qv.s3, cos_a, cos_a + half);
         }
-        for (int64_t h = 0; h < H_kv; ++h) {
-          rotate(kv.row(b, j, h), kc.row(b, h, slot), kv.s3, kc.s3, cos_a, cos_a + half);
-          copy_row(vv.row(b, j, h), vc.row(b, h, slot));
-        }
+      };
+      auto k_row = [&](int64_t tok, int64_t h) {
+        const float* cos_a = tab + pos_p[tok] * d;
+        rotate(kv.row(tok / Q, tok % Q, h), kc.row(tok / Q, h, idx_p[tok]), kv.s3, kc.s3, cos_a,
+               cos_a + half);
+      };
+      auto v_row = [&](int64_t tok, int64_t h) {
+        copy_row(vv.row(tok / Q, tok % Q, h), vc.row(tok / Q, h, idx_p[tok]));
       };
       int64_t t0 = begin;
       while (t0 < end) {
         const int64_t t1 = std::min(end, t0 + kRopeTokenBlock);
         if (!consecutive_slots(idx_p, Q, t0, t1)) {
-          token_rows(t0++);
+          if (idx_p[t0] >= 0) {  // slot -1, padding: its q, k, v are left alone
+            q_rows(t0);
+            for (int64_t h = 0; h < H_kv; ++h) k_row(t0, h), v_row(t0, h);
+          }
+          ++t0;
           continue;
         }
-        for (int64_t tok = t0; tok < t1; ++tok) {
-          const float* cos_a = tab + pos_p[tok] * d;
-          for (int64_t h = 0; h < H; ++h) {
-            scalar_t* row = qv.row(tok / Q, tok % Q, h);
-            rotate(row, row, qv.s3, qv.s3, cos_a, cos_a + half);
-          }
-        }
-        const int64_t b = t0 / Q;
+        for (int64_t tok = t0; tok < t1; ++tok) q_rows(tok);
         for (int64_t h = 0; h < H_kv; ++h) {
-          for (int64_t tok = t0; tok < t1; ++tok)
-            rotate(kv.row(b, tok % Q, h), kc.row(b, h, idx_p[tok]), kv.s3, kc.s3,
-                   tab + pos_p[tok] * d, tab + pos_p[tok] * d + half);
-          for (int64_t tok = t0; tok < t1; ++tok)
-            copy_row(vv.row(b, tok % Q, h), vc.row(b, h, idx_p[tok]));
+          for (int64_t tok = t0; tok < t1; ++tok) k_row(tok, h);
+          for (int64_t tok = t0; tok < t1; ++tok) v_row(tok, h);
         }
         t0 = t1;
       }
