@@ -170,34 +170,44 @@ DLLM_CPU_NOINLINE inline void column_max(const float* __restrict__ st,
   }
 }
 
+// Pass 2 on the w <= kSoftmaxLanes columns r0 .. r0 + w of S^T, down all T
+// rows, their sums in a register (each column still sums its keys in
+// order). kWhole: w == kSoftmaxLanes, so the copies are of a constant size
+// and compile to plain vector loads and stores (a copy of a run-time size is
+// a call to memmove).
+template <bool kWhole>
+inline void column_exp_sum_block(float* __restrict__ st, const bool* __restrict__ valid,
+                                 int64_t T, int64_t M, float scale, const float* __restrict__ mx,
+                                 float* __restrict__ sum, int64_t r0, int64_t w) {
+  const size_t bytes = kWhole ? sizeof(SoftmaxVec) : static_cast<size_t>(w) * sizeof(float);
+  SoftmaxVec m{}, s{};
+  std::memcpy(&m, mx + r0, bytes);
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = st + t * M + r0;
+    if (valid && !valid[t]) {
+      std::memset(row, 0, bytes);
+      continue;
+    }
+    SoftmaxVec x{};
+    std::memcpy(&x, row, bytes);
+    const SoftmaxVec e = exp_poly(x * scale - m);
+    std::memcpy(row, &e, bytes);
+    s += e;
+  }
+  std::memcpy(sum + r0, &s, bytes);
+}
+
 // Pass 2: S^T <- exp(scale * S^T - max) (exactly 0 on masked keys), column
-// sums. A block of kSoftmaxLanes columns at a time down all T rows, its sums
-// in a register (each column still sums its keys in order); the last block
-// of an M that is not a whole number of vectors goes through a padded copy.
+// sums, a block of kSoftmaxLanes columns at a time; the last block of an M
+// that is not a whole number of vectors goes through a padded copy.
 DLLM_CPU_NOINLINE inline void column_exp_sum(float* __restrict__ st,
                                              const bool* __restrict__ valid, int64_t T, int64_t M,
                                              float scale, const float* __restrict__ mx,
                                              float* __restrict__ sum) {
-  constexpr int64_t kW = kSoftmaxLanes;
-  for (int64_t r0 = 0; r0 < M; r0 += kW) {
-    const int64_t w = std::min(kW, M - r0);
-    const size_t bytes = static_cast<size_t>(w) * sizeof(float);
-    SoftmaxVec m{}, s{};
-    std::memcpy(&m, mx + r0, bytes);
-    for (int64_t t = 0; t < T; ++t) {
-      float* row = st + t * M + r0;
-      if (valid && !valid[t]) {
-        std::memset(row, 0, bytes);
-        continue;
-      }
-      SoftmaxVec x{};
-      std::memcpy(&x, row, bytes);
-      const SoftmaxVec e = exp_poly(x * scale - m);
-      std::memcpy(row, &e, bytes);
-      s += e;
-    }
-    std::memcpy(sum + r0, &s, bytes);
-  }
+  int64_t r0 = 0;
+  for (; r0 + kSoftmaxLanes <= M; r0 += kSoftmaxLanes)
+    column_exp_sum_block<true>(st, valid, T, M, scale, mx, sum, r0, kSoftmaxLanes);
+  if (r0 < M) column_exp_sum_block<false>(st, valid, T, M, scale, mx, sum, r0, M - r0);
 }
 
 // dst [cols, rows] = src [rows, cols]^T in 16x16 blocks, so both sides
