@@ -1185,9 +1185,38 @@ DLLM_CPU_NOINLINE void dequant_v_rows_lookup(const QuantVShape& s, const uint8_t
 }
 #endif
 
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS == 8
+// The G channels of one V group of a 16-bit type (AVX2 copy) by table
+// lookup, as dequant_v_rows_lookup does in the AVX-512 copy: the group's
+// table is dequant16 of the codes 0 .. 15 under its scale / min (the same
+// operations as the direct path, so the same bits), split into its entries'
+// low and high bytes, and 16 channels are read out of it with two byte
+// shuffles and two unpacks, where dequant16 spends about 40 vector
+// operations on them.
+template <typename T>
+inline void v_group_lookup16(const uint8_t* codes, int bits, const F32x16& sv, const F32x16& mv,
+                             int64_t c_begin, int64_t c_end, typename cpu::Elem<T>::Bits* o) {
+  const U8x16 all_codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  alignas(16) typename cpu::Elem<T>::Bits table[16];
+  dequant16<T>(all_codes, sv, mv, table);
+  const __m128i bytes = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i a = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(table)), bytes);
+  const __m128i b =
+      _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(table + 8)), bytes);
+  const __m128i lo = _mm_unpacklo_epi64(a, b), hi = _mm_unpackhi_epi64(a, b);
+  for (int64_t c = c_begin; c < c_end; c += 16) {
+    const __m128i code = bits == 4 ? v_codes16<4>(codes, c) : v_codes16<2>(codes, c);
+    const __m128i l = _mm_shuffle_epi8(lo, code), h = _mm_shuffle_epi8(hi, code);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c),
+                        _mm256_set_m128i(_mm_unpackhi_epi8(l, h), _mm_unpacklo_epi8(l, h)));
+  }
+}
+#endif
+
 // One dequantized V row (d values) into out. With the byte shuffles and
 // groups of 16 or more channels: 16 codes at a time straight into
-// dequant16 under the group's scale / min. Otherwise codes unpacked to one
+// dequant16 under the group's scale / min (16-bit types in the AVX2 copy:
+// through the group's table, v_group_lookup16). Otherwise codes unpacked to one
 // per byte, then dequant_row with per-channel scale / min.
 template <typename T>
 void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, const T* mn,
@@ -1200,6 +1229,12 @@ void dequant_v_row(const QuantVShape& s, const uint8_t* codes, const T* scale, c
       F32x16 sv, mv;
       splat16(widen(scale[grp]), sv);
       splat16(widen(mn[grp]), mv);
+#if DLLM_VEC_FLOATS == 8
+      if constexpr (sizeof(T) == 2) {
+        v_group_lookup16<T>(codes, s.bits, sv, mv, grp * G, (grp + 1) * G, o);
+        continue;
+      }
+#endif
       for (int64_t c = grp * G; c < (grp + 1) * G; c += 16) {
         const __m128i code = s.bits == 4 ? v_codes16<4>(codes, c) : v_codes16<2>(codes, c);
         U8x16 cb;
