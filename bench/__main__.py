@@ -2,6 +2,7 @@
 
   python -m bench ops [--op NAME] [--device cpu|cuda] [--dtype bf16 ...] [--threads N] [--csv FILE]
   python -m bench decode --model PATH|NAME | --synthetic llada-8b --layers 4   (bench/decode.py)
+  python -m bench ab --base DIR --op NAME [--shape TEXT] [--rounds 6]   (two builds, bench/ab.py)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     po.set_defaults(func=cmd_ops)
     from bench.decode import add_parser as add_decode
     add_decode(sub)
+    from bench.ab import add_parser as add_ab
+    add_ab(sub)
     args = p.parse_args(argv)
     return args.func(args)
 

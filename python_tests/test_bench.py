@@ -66,3 +66,35 @@ def test_bench_ops_writes_every_impl_with_its_copy_yardstick(tmp_path, capsys):
 def test_bench_ops_unknown_op_is_an_error(capsys):
     assert main(["ops", "--op", "no_such_op"]) == 2
     assert "no case matches" in capsys.readouterr().err
+
+
+def test_ab_round_order_alternates_which_build_runs_first():
+    from bench.ab import round_order
+    assert [round_order(r) for r in range(4)] == [("new", "base"), ("base", "new"),
+                                                  ("new", "base"), ("base", "new")]
+
+
+def test_bench_ab_times_both_builds_in_every_round(capsys):
+    # This checkout against itself: both sides load the same package, each
+    # round in its own processes; the command must report every round.
+    import os
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert main(["ab", "--base", repo, "--op", "gather_rows", "--shape", "Q32/",
+                 "--dtype", "fp32", "--rounds", "2", "--seconds", "0.05"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("gather_rows")]
+    assert len(lines) == 1 and "base/new" in lines[0] and "of 2 rounds" in lines[0], out
+    for side in ("new", "base"):
+        row = next(ln for ln in out.splitlines() if ln.strip().startswith(f"{side} "))
+        assert len([float(x) for x in row.split(":")[1].split()]) == 2, row
+
+
+def test_bench_ab_rejects_bad_arguments(tmp_path, capsys):
+    import os
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert main(["ab", "--base", str(tmp_path), "--op", "gather_rows"]) == 2
+    assert "holds no dllm_ops package" in capsys.readouterr().err
+    assert main(["ab", "--base", repo, "--op", "gather_rows", "--rounds", "0"]) == 2
+    assert "--rounds" in capsys.readouterr().err
+    assert main(["ab", "--base", repo, "--op", "no_such_op"]) == 2
+    assert "no case matches" in capsys.readouterr().err
