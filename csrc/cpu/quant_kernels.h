@@ -938,7 +938,7 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
     const float top = static_cast<float>(math::quant_levels(bits));
     constexpr int64_t kBlock = 64;  // groups of a block (a row has at most 256 / 16)
     const int64_t rows_per_block = std::max<int64_t>(1, kBlock / ng);
-    float glo[kBlock], ghi[kBlock], sg[kBlock], mg[kBlock];
+    float glo[kBlock], ghi[kBlock], sg[kBlock], mg[kBlock], rg[kBlock];
     VecI nonfinite = VecI{};
     int overflow = 0, bad = 0;
     for (int64_t r0 = 0; r0 < n_rows; r0 += rows_per_block) {
@@ -971,12 +971,15 @@ DLLM_CPU_NOINLINE void quantize_v_rows(const QuantVShape& s, const T* x, uint8_t
 #endif
       }
       scale_min_row(glo, ghi, n, bits, scale + r0 * ng, mn + r0 * ng, sg, mg, &overflow);
+      // The block's reciprocals in one vector loop: per group, a scalar
+      // division and its range test sat at the head of the codes' chain.
+      recip_row(sg, rg, n);
       uint8_t* cb = codes + r0 * s.row_bytes;
       for (int64_t i = 0; i < n; ++i) {
         F32x16 sv, mv, rv, v;
         splat16(sg[i], sv);
         splat16(mg[i], mv);
-        splat16(code_recip(sg[i]), rv);
+        splat16(rg[i], rv);
         for (int c = 0; c < G; c += 16) {
           const int64_t ch = i * G + c;  // channel within the block
           load16(xb + ch, v);
