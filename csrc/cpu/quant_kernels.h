@@ -734,27 +734,44 @@ DLLM_CPU_NOINLINE void codes_row(const T* x_, const float* __restrict__ sf,
 }
 
 #if DLLM_QUANT_SHUFFLE
+// k_group_lohi's walk down the group for kB blocks of kW channels from c0:
+// each block's running min / max in registers, one chain per block (four
+// blocks: a row's whole 64-byte line per token in the AVX2 bf16 copy, and
+// four independent chains where one waited on its own min / max).
+template <int kB, typename T>
+inline void k_group_lohi_blocks(const T* x, int64_t d, int64_t c0, int n_real,
+                                const uint8_t* slot_of, float* lo, float* hi, VecI& nonfinite) {
+  const VecF inf = VecF{} + INFINITY;
+  VecF l[kB], h[kB], v;
+  for (int b = 0; b < kB; ++b) l[b] = inf, h[b] = -inf;
+  for (int j = 0; j < n_real; ++j) {
+    const bool in_range = slot_of == nullptr || slot_of[j] == math::kProtUnused;
+    for (int b = 0; b < kB; ++b) {
+      load_w(x + j * d + c0 + b * kW, v);
+      or_nonfinite(v, nonfinite);
+      if (in_range) {
+        l[b] = v < l[b] ? v : l[b];
+        h[b] = v > h[b] ? v : h[b];
+      }
+    }
+  }
+  for (int b = 0; b < kB; ++b) {
+    std::memcpy(lo + c0 + b * kW, &l[b], sizeof(l[b]));
+    std::memcpy(hi + c0 + b * kW, &h[b], sizeof(h[b]));
+  }
+}
+
 // range_row and nonfinite_row over a K group's tokens, kW channels at a
 // time (d a multiple of kW) with the running min / max in registers: the
 // same per-channel order and rule, v replacing lo[c] only when v < lo[c].
 template <typename T>
 inline void k_group_lohi(const T* x, int64_t d, int n_real, const uint8_t* slot_of, float* lo,
                          float* hi, int* bad) {
-  const VecF inf = VecF{} + INFINITY;
   VecI nonfinite = VecI{};
-  for (int64_t c0 = 0; c0 < d; c0 += kW) {
-    VecF l = inf, h = -inf, v;
-    for (int j = 0; j < n_real; ++j) {
-      load_w(x + j * d + c0, v);
-      or_nonfinite(v, nonfinite);
-      if (slot_of == nullptr || slot_of[j] == math::kProtUnused) {
-        l = v < l ? v : l;
-        h = v > h ? v : h;
-      }
-    }
-    std::memcpy(lo + c0, &l, sizeof(l));
-    std::memcpy(hi + c0, &h, sizeof(h));
-  }
+  int64_t c0 = 0;
+  for (; c0 + 4 * kW <= d; c0 += 4 * kW)
+    k_group_lohi_blocks<4>(x, d, c0, n_real, slot_of, lo, hi, nonfinite);
+  for (; c0 < d; c0 += kW) k_group_lohi_blocks<1>(x, d, c0, n_real, slot_of, lo, hi, nonfinite);
   if (any_lane(nonfinite)) *bad = 1;
 }
 #endif
