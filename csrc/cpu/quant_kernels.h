@@ -432,12 +432,30 @@ DLLM_CPU_NOINLINE void dequant_k_rows(const uint8_t* crow0, const float* sf, con
                                       bool finite_sm, bool bf16_insn) {
   const int n = 8 / bits;
   const uint32_t mask = (1u << bits) - 1;
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS == 8
+  const __m128i m8 = _mm_set1_epi8(static_cast<char>(mask));
+#endif
   for (int j = 0; j < n_real; ++j) {
     if (prot && prot[j]) continue;
     const uint8_t* crow = crow0 + (j / n) * d;
     const int shift = bits * (j % n);
     T* o = out + j * d;
     int64_t c0 = 0;
+#if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS == 8
+    // AVX2: dequant_row's 16-value loop, here in the row loop: a call per
+    // row (8 passes at d = 128) spent its prologue and constants each time.
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    for (; c0 + 16 <= d; c0 += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + c0));
+      const __m128i code = _mm_and_si128(_mm_srl_epi16(b, count), m8);
+      U8x16 cb;
+      F32x16 sv, mv;
+      std::memcpy(&cb, &code, sizeof(cb));
+      std::memcpy(&sv, sf + c0, sizeof(sv));
+      std::memcpy(&mv, mf + c0, sizeof(mv));
+      dequant16<T>(cb, sv, mv, reinterpret_cast<typename cpu::Elem<T>::Bits*>(o) + c0, finite_sm);
+    }
+#endif
 #if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (bf16_insn)  // straight to the 32-value loop: one call a row
