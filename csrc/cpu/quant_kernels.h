@@ -369,6 +369,30 @@ __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE int64_t dequant_row_bf16
 }
 #endif
 
+#if DLLM_QUANT_SHUFFLE
+// dequant_row's whole vectors from c0 on: 16 values a pass through dequant16
+// (count: the shift as a vector count; m8: the mask in every byte). Returns
+// the first channel not done.
+template <typename T>
+inline int64_t dequant_passes16(const uint8_t* __restrict__ crow, const float* __restrict__ sf,
+                                const float* __restrict__ mf,
+                                typename cpu::Elem<T>::Bits* __restrict__ o, int64_t c0,
+                                int64_t d, __m128i count, __m128i m8, bool finite_sm) {
+  for (; c0 + 16 <= d; c0 += 16) {
+    // 16-bit lanes shift in the neighbour byte's low bits; the mask drops them.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + c0));
+    const __m128i code = _mm_and_si128(_mm_srl_epi16(b, count), m8);
+    U8x16 cb;
+    F32x16 sv, mv;
+    std::memcpy(&cb, &code, sizeof(cb));
+    std::memcpy(&sv, sf + c0, sizeof(sv));
+    std::memcpy(&mv, mf + c0, sizeof(mv));
+    dequant16<T>(cb, sv, mv, o + c0, finite_sm);
+  }
+  return c0;
+}
+#endif
+
 // One row of dequantized values: code c = (crow[c] >> shift) & mask under the
 // per-element stored scale / min sf[c], mf[c], rounded to T. With the byte
 // shuffles, whole vectors of 16 go through dequant16 (bf16 in the AVX-512
@@ -403,17 +427,7 @@ DLLM_CPU_NOINLINE void dequant_row(const uint8_t* __restrict__ crow, const float
 #else
   (void)bf16_insn;
 #endif
-  for (; c0 + 16 <= d; c0 += 16) {
-    // 16-bit lanes shift in the neighbour byte's low bits; the mask drops them.
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + c0));
-    const __m128i code = _mm_and_si128(_mm_srl_epi16(b, count), m8);
-    U8x16 cb;
-    F32x16 sv, mv;
-    std::memcpy(&cb, &code, sizeof(cb));
-    std::memcpy(&sv, sf + c0, sizeof(sv));
-    std::memcpy(&mv, mf + c0, sizeof(mv));
-    dequant16<T>(cb, sv, mv, o + c0, finite_sm);
-  }
+  c0 = dequant_passes16<T>(crow, sf, mf, o, c0, d, count, m8, finite_sm);
 #endif
   float prod[math::kQuantMaxHeadDim];
   const int64_t n = d - c0;
@@ -442,19 +456,10 @@ DLLM_CPU_NOINLINE void dequant_k_rows(const uint8_t* crow0, const float* sf, con
     T* o = out + j * d;
     int64_t c0 = 0;
 #if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS == 8
-    // AVX2: dequant_row's 16-value loop, here in the row loop: a call per
-    // row (8 passes at d = 128) spent its prologue and constants each time.
-    const __m128i count = _mm_cvtsi32_si128(shift);
-    for (; c0 + 16 <= d; c0 += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + c0));
-      const __m128i code = _mm_and_si128(_mm_srl_epi16(b, count), m8);
-      U8x16 cb;
-      F32x16 sv, mv;
-      std::memcpy(&cb, &code, sizeof(cb));
-      std::memcpy(&sv, sf + c0, sizeof(sv));
-      std::memcpy(&mv, mf + c0, sizeof(mv));
-      dequant16<T>(cb, sv, mv, reinterpret_cast<typename cpu::Elem<T>::Bits*>(o) + c0, finite_sm);
-    }
+    // AVX2: dequant_row's passes here in the row loop: a call per row (8
+    // passes at d = 128) spent its prologue and constants each time.
+    c0 = dequant_passes16<T>(crow, sf, mf, reinterpret_cast<typename cpu::Elem<T>::Bits*>(o), 0,
+                             d, _mm_cvtsi32_si128(shift), m8, finite_sm);
 #endif
 #if DLLM_QUANT_SHUFFLE && DLLM_VEC_FLOATS >= 16
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
