@@ -88,8 +88,15 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
         std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
       }
       uint8_t* out = codes + (bh * s.rows + g * rows_per_group) * d;
+      const T* next = nullptr;  // this thread's next group, which quantize_k_group prefetches
+      int next_rows = 0;
+      if (u + 1 < end) {
+        const int64_t g1 = (u + 1) % s.n_groups;
+        next = k + ((u + 1) / s.n_groups * s.T + g1 * G) * d;
+        next_rows = m::group_tokens(s.T, G, g1);
+      }
       DLLM_ISA_CALL(isa, quantize_k_group(x, d, n_real, G, bits, slot_of, scale + u * d,
-                                          mn + u * d, out, &st));
+                                          mn + u * d, out, &st, next, next_rows));
       for (int sl = 0; sl < p; ++sl) {
         prot_idx[u * p + sl] = sl < np ? static_cast<uint8_t>(chosen[sl]) : m::kProtUnused;
         T* pv = prot_val + (u * p + sl) * d;
