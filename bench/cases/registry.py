@@ -29,3 +29,13 @@ def register(case: Case) -> Case:
 
 def tensor_bytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def next_layer(f):
+    """A run over per-layer inputs ``(layers, turn)``: each call takes the
+    next layer's arguments, as a decode's calls do, so what the call before
+    left in the CPU's caches is another layer's."""
+    def run(layers, turn):
+        turn[0] = (turn[0] + 1) % len(layers)
+        return f(*layers[turn[0]])
+    return run

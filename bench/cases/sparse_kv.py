@@ -12,7 +12,7 @@ import dllm_ops
 from dllm_ops import reference
 from dllm_ops.rope import rope_cos_sin
 
-from .registry import Case, register, tensor_bytes
+from .registry import Case, next_layer, register, tensor_bytes
 
 H, H_KV, D, T = 32, 32, 128, 512 + 256
 LLADA_THETA = 500000.0
@@ -87,17 +87,10 @@ def _rope_layers_inputs(device, dtype):
     return (layers, [0])
 
 
-def _next_layer(f):
-    def run(layers, turn):
-        turn[0] = (turn[0] + 1) % len(layers)
-        return f(*layers[turn[0]])
-    return run
-
-
 register(Case(
     op="rope_scatter_kv", shape=f"Q32c/T{T}x{ROPE_LAYERS}L", make=_rope_layers_inputs,
-    run=_next_layer(dllm_ops.rope_scatter_kv),
-    baselines={"torch_eager": _next_layer(_torch_rope_scatter)},
+    run=next_layer(dllm_ops.rope_scatter_kv),
+    baselines={"torch_eager": next_layer(_torch_rope_scatter)},
     nbytes=lambda a: _rope_bytes(a[0][0]), dtypes=(torch.bfloat16, torch.float32),
 ))
 
