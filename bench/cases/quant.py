@@ -147,8 +147,8 @@ def _attention_bytes(a):
 
 
 def _attention_label(k_bits, v_bits, p, T, prefix=f"Q{Q}"):
-    """"<prefix>/T<T> K<k>p<p>V<v> rd <quant> vs <bf16> MB": the bytes each
-    side reads and writes (bf16 cache, Q = 32)."""
+    """The case's label, `<prefix>/T<T> K<k>p<p>V<v> rd <quant> vs <bf16> MB`:
+    the bytes each side reads and writes (bf16 cache, Q = 32)."""
     elem = 2
     q_io = 2 * Q * H * D * elem
     quant_kv = (H * T * D * k_bits // 8 + 2 * H * (T // G) * D * elem + H * (T // G) * p * (1 + D * elem)
