@@ -628,7 +628,11 @@ constexpr float kTieMargin = 0.5f - 0x1p-16f;
 // unordered or equal (a NaN becomes 0, as quant_code's selects make it), and
 // code 0 where s > 0 fails. Intrinsics: one 16-lane register in the AVX-512
 // copy, two 8-lane ones in the AVX2 copy (where GCC scalarizes the selects
-// and the narrowing of a 16-lane generic vector).
+// and the narrowing of a 16-lane generic vector). The AVX2 copy tests both
+// registers' lanes with one branch and lets lanes where s > 0 fails take
+// the division too (their code is 0 either way): the test's operations, not
+// its rare branch, were what cost (a build that never took the branch was
+// 1.11x as fast, one without the test 1.62x; docs/cpu-kernels-log.md).
 inline __m128i quant_codes16(const F32x16& x, const F32x16& s, const F32x16& m, const F32x16& r,
                              float top) {
 #if DLLM_VEC_FLOATS >= 16
@@ -652,25 +656,30 @@ inline __m128i quant_codes16(const F32x16& x, const F32x16& s, const F32x16& m, 
   const __m256 magic = _mm256_set1_ps(math::kRoundMagic), zero = _mm256_setzero_ps();
   const __m256 t = _mm256_set1_ps(top), margin = _mm256_set1_ps(kTieMargin);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m128i half[2];
-  for (int h = 0; h < 2; ++h) {
-    __m256 xv, sv, mv, rv;
-    std::memcpy(&xv, reinterpret_cast<const float*>(&x) + 8 * h, sizeof(xv));
-    std::memcpy(&sv, reinterpret_cast<const float*>(&s) + 8 * h, sizeof(sv));
-    std::memcpy(&mv, reinterpret_cast<const float*>(&m) + 8 * h, sizeof(mv));
-    std::memcpy(&rv, reinterpret_cast<const float*>(&r) + 8 * h, sizeof(rv));
-    const __m256 a = _mm256_sub_ps(xv, mv), prod = _mm256_mul_ps(a, rv);
-    __m256 v = _mm256_sub_ps(_mm256_add_ps(prod, magic), magic);
+  auto round_even = [&](__m256 y) { return _mm256_sub_ps(_mm256_add_ps(y, magic), magic); };
+  auto near_tie = [&](__m256 v, __m256 prod) {
+    return _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(v, prod), abs_mask), margin, _CMP_NLT_UQ);
+  };
+  auto narrow = [&](__m256 v, __m256 sv) {  // clamps, s > 0 or 0, 8 int16 codes
     const __m256 pos = _mm256_cmp_ps(sv, zero, _CMP_GT_OQ);
-    const __m256 unsure = _mm256_and_ps(
-        pos, _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(v, prod), abs_mask), margin, _CMP_NLT_UQ));
-    if (_mm256_movemask_ps(unsure) != 0)
-      v = _mm256_blendv_ps(
-          v, _mm256_sub_ps(_mm256_add_ps(_mm256_div_ps(a, sv), magic), magic), unsure);
-    v = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(v, zero), t), pos);
-    const __m256i q = _mm256_cvttps_epi32(v);
-    half[h] = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    const __m256 c = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(v, zero), t), pos);
+    const __m256i q = _mm256_cvttps_epi32(c);
+    return _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  };
+  __m256 xv[2], sv[2], mv[2], rv[2];
+  std::memcpy(xv, &x, sizeof(xv));
+  std::memcpy(sv, &s, sizeof(sv));
+  std::memcpy(mv, &m, sizeof(mv));
+  std::memcpy(rv, &r, sizeof(rv));
+  const __m256 a0 = _mm256_sub_ps(xv[0], mv[0]), prod0 = _mm256_mul_ps(a0, rv[0]);
+  const __m256 a1 = _mm256_sub_ps(xv[1], mv[1]), prod1 = _mm256_mul_ps(a1, rv[1]);
+  __m256 v0 = round_even(prod0), v1 = round_even(prod1);
+  const __m256 unsure0 = near_tie(v0, prod0), unsure1 = near_tie(v1, prod1);
+  if (_mm256_movemask_ps(_mm256_or_ps(unsure0, unsure1)) != 0) {
+    v0 = _mm256_blendv_ps(v0, round_even(_mm256_div_ps(a0, sv[0])), unsure0);
+    v1 = _mm256_blendv_ps(v1, round_even(_mm256_div_ps(a1, sv[1])), unsure1);
   }
+  const __m128i half[2] = {narrow(v0, sv[0]), narrow(v1, sv[1])};
   return _mm_packus_epi16(half[0], half[1]);
 #endif
 }
