@@ -71,6 +71,8 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
   const int bits = static_cast<int>(s.bits), G = static_cast<int>(s.G);
   const int p = static_cast<int>(s.p), n = m::codes_per_byte(bits);
   const int64_t d = s.d, rows_per_group = G / n;
+  // The first K row of unit v: group v % n_groups of the head row v / n_groups.
+  auto group_rows = [&](int64_t v) { return k + (v / s.n_groups * s.T + v % s.n_groups * G) * d; };
   at::parallel_for(0, s.B * s.H * s.n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
     int st = 0;
     uint8_t slot_of[m::kQuantMaxGroup];
@@ -78,7 +80,7 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = u % s.n_groups, bh = u / s.n_groups;
       const int n_real = m::group_tokens(s.T, G, g);
-      const T* x = k + (bh * s.T + g * G) * d;
+      const T* x = group_rows(u);
       int np = 0;
       if (p > 0) {
         // importance [B, H_kv, T] (one row per head) or [B, T] (shared by the heads)
@@ -88,13 +90,10 @@ void quantize_k_kernel(cpu::Isa isa, const QuantKShape& s, const T* k, const flo
         std::fill_n(slot_of, m::kQuantMaxGroup, m::kProtUnused);
       }
       uint8_t* out = codes + (bh * s.rows + g * rows_per_group) * d;
-      const T* next = nullptr;  // this thread's next group, which quantize_k_group prefetches
-      int next_rows = 0;
-      if (u + 1 < end) {
-        const int64_t g1 = (u + 1) % s.n_groups;
-        next = k + ((u + 1) / s.n_groups * s.T + g1 * G) * d;
-        next_rows = m::group_tokens(s.T, G, g1);
-      }
+      // this thread's next group, which quantize_k_group prefetches
+      const bool has_next = u + 1 < end;
+      const T* next = has_next ? group_rows(u + 1) : nullptr;
+      const int next_rows = has_next ? m::group_tokens(s.T, G, (u + 1) % s.n_groups) : 0;
       DLLM_ISA_CALL(isa, quantize_k_group(x, d, n_real, G, bits, slot_of, scale + u * d,
                                           mn + u * d, out, &st, next, next_rows));
       for (int sl = 0; sl < p; ++sl) {
