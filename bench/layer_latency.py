@@ -27,7 +27,8 @@ from bench.accuracy import parse_mode
 
 def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, modes: list[str],
                   calls: int | None = None, batch: int = 1) -> list[dict]:
-    from dllm_ops.dare import LayerTimer, make_dare
+    from dllm_ops.dare import make_dare
+    from dllm_ops.layer_timer import LayerTimer
     from dllm_ops.plan import StepPlan
 
     c = model.config

@@ -52,14 +52,16 @@ past the drift score) is silent:
 from __future__ import annotations
 
 import math
-import time
 
 import torch
+import torch.nn.functional as F
 
 from . import ops
+from .layer_timer import LayerTimer  # noqa: F401  (decode.py's import; moves with the loop's rewrite)
+from .models.transformer import (apply_rotary, attend_and_project, full_attention, row_mask,
+                                 rows_of)
 from .plan import mask_to_idx
 
-DARE_MODES = ("kv", "o")
 DRIFT_FLOOR = 1e-5
 _OPTION_KEYS = ("rho", "tau", "phi_max")
 
@@ -105,13 +107,13 @@ class DareReuse:
 
     The decode loop calls ``begin_call(refresh)`` before each model call and
     passes the rule to ``model.step(..., reuse=rule)``; the model calls
-    ``select`` once per layer and, for DARE-O, reads and writes
-    ``output_cache(layer)``.
+    ``attention_branch`` once per layer (:class:`DareKV`, :class:`DareO`), which
+    asks ``select`` which rows recompute.
     """
+    mode = ""   # "kv" | "o": the subclass
 
-    def __init__(self, mode: str, config, rho: float | None = None,
+    def __init__(self, config, rho: float | None = None,
                  tau: float | None = None, phi_max: float | None = None):
-        self.mode = mode
         self.config = config
         n_layers = self.n_layers = config.n_layers
         self.rho, self.tau = rho, tau
@@ -261,14 +263,101 @@ class DareReuse:
         return s
 
 
+class DareKV(DareReuse):
+    """DARE-KV: every running row computes its query and attends; only the
+    drifting rows project and write K/V (the others keep their cached K/V)."""
+    mode = "kv"
+
+    def attention_branch(self, model, li, layer, a, call) -> torch.Tensor:
+        c = model.config
+        B, Q = call.idx.shape
+        q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
+        rows = self.select(li, q[:, :, 0], call.idx, call.canvas_length)
+        if rows is None:
+            return full_attention(model, li, layer, a, call, q=q)
+        self._write_kv_rows(model, li, layer, a, q, rows, call)
+        # The reused rows' queries still attend, so rotate them too (the write
+        # rotated only the recomputed rows, which are kept as written).
+        keep = row_mask(rows, Q)[:, :, None, None]
+        q = torch.where(keep, q, apply_rotary(q, *call.rope()))
+        return attend_and_project(model, li, layer, q, call)
+
+    @staticmethod
+    def _write_kv_rows(model, li, layer, a, q, rows, call) -> None:
+        """Project K/V of the selected rows only and write them (``q`` of those
+        rows is rotated on a gathered copy by the write, then put back)."""
+        c = model.config
+        B, R = rows.shape
+        if R == 0:   # every running row reuses its K/V
+            return
+        a_r = ops.gather_rows(a, rows)
+        k_r = layer.k(a_r).view(B, R, c.n_kv_heads, c.head_dim)
+        v_r = layer.v(a_r).view(B, R, c.n_kv_heads, c.head_dim)
+        width = c.n_heads * c.head_dim
+        q_r = ops.gather_rows(q.view(B, q.shape[1], width), rows).view(B, R, c.n_heads, c.head_dim)
+        call.cache.write(li, q_r, k_r, v_r, rows_of(call.pos, rows, fill=0), call.table,
+                         rows_of(call.idx, rows))
+        ops.scatter_rows(q.view(B, q.shape[1], width), q_r.view(B, R, width), rows)
+
+
+class DareO(DareReuse):
+    """DARE-O: every running row projects K/V; only the drifting rows project
+    their queries (beyond head 0, which the drift needs), attend and apply the
+    output projection; the others take their cached attention-branch output."""
+    mode = "o"
+
+    def attention_branch(self, model, li, layer, a, call) -> torch.Tensor:
+        d = model.config.head_dim
+        T = call.canvas_length
+        q0 = F.linear(a, layer.q.weight[:d], None if layer.q.bias is None else layer.q.bias[:d])
+        rows = self.select(li, q0, call.idx, T)
+        if rows is None:
+            branch = full_attention(model, li, layer, a, call)
+            ops.scatter_rows(self.output_cache(li, branch, T), branch.contiguous(), call.idx)
+            return branch
+        return self._attend_selected(model, li, layer, a, rows, call)
+
+    def _attend_selected(self, model, li, layer, a, rows, call) -> torch.Tensor:
+        c = model.config
+        idx, cache = call.idx, call.cache
+        B, Q = idx.shape
+        R = rows.shape[1]
+        T = call.canvas_length
+        k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
+        v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
+        a_r = ops.gather_rows(a, rows)
+        q_r = layer.q(a_r).view(B, R, c.n_heads, c.head_dim)
+        # The write rotates q of every row it names; reused rows hold zeros
+        # (no projection ran for them) and their rotation is discarded.
+        width = c.n_heads * c.head_dim
+        q_all = torch.zeros((B, Q, width), dtype=q_r.dtype, device=q_r.device)
+        ops.scatter_rows(q_all, q_r.reshape(B, R, width), rows)
+        q_all = q_all.view(B, Q, c.n_heads, c.head_dim)
+        cache.write(li, q_all, k, v, call.pos, call.table, idx)
+        branch = self.output_cache(li, a, T)
+        if call.return_probs:
+            cache.probs.append(torch.zeros((B, Q, T), dtype=torch.float32, device=a.device))
+            cache.probs_idx.append(torch.where(row_mask(rows, Q), idx, torch.full_like(idx, -1)))
+        if R:
+            q_r = ops.gather_rows(q_all.view(B, Q, width), rows).view(B, R, c.n_heads, c.head_dim)
+            out_r, probs_r = cache.attend(li, q_r, call.scale, call.return_probs)
+            if call.return_probs:
+                ops.scatter_rows(cache.probs[-1], probs_r.float().contiguous(), rows)
+            ops.scatter_rows(branch, layer.o(out_r.reshape(B, R, width)).contiguous(), rows_of(idx, rows))
+        return ops.gather_rows(branch, idx)
+
+
+DARE_RULES = {"kv": DareKV, "o": DareO}
+
+
 def make_dare(dare: str | None, dare_opts: dict | None, config) -> DareReuse | None:
     """Validate ``generate``'s ``dare=`` / ``dare_opts=`` and build the rule (None: no DARE)."""
     if dare is None:
         if dare_opts:
             raise _err("dare_opts given without dare='kv' or 'o'")
         return None
-    if dare not in DARE_MODES:
-        raise _err(f"unknown dare {dare!r}; choose from {list(DARE_MODES)}")
+    if dare not in DARE_RULES:
+        raise _err(f"unknown dare {dare!r}; choose from {list(DARE_RULES)}")
     opts = dict(dare_opts or {})
     bad = sorted(set(opts) - set(_OPTION_KEYS))
     if bad:
@@ -292,21 +381,4 @@ def make_dare(dare: str | None, dare_opts: dict | None, config) -> DareReuse | N
             raise _err(f"dare_opts tau ({tau}) must be >= 0")
         if phi_max is not None:
             raise _err("dare_opts phi_max applies to rho mode only")
-    return DareReuse(dare, config, rho=rho, tau=tau, phi_max=phi_max)
-
-
-class LayerTimer:
-    """Wall seconds per layer of one call (synchronising the device first)."""
-
-    def __init__(self, device):
-        self.sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        self.seconds: list[float] = []
-        self._t = None
-
-    def start(self):
-        self.sync()
-        self._t = time.perf_counter()
-
-    def stop(self):
-        self.sync()
-        self.seconds.append(time.perf_counter() - self._t)
+    return DARE_RULES[dare](config, rho=rho, tau=tau, phi_max=phi_max)

@@ -8,12 +8,15 @@ logits are produced only where the plan asks for them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
 from ..plan import KVCache, StepPlan
+from ..layer_timer import NO_TIMER
 from ..rope import rope_cos_sin
 from .config import ModelConfig
 
@@ -137,70 +140,33 @@ class DiffusionLM(nn.Module):
         ``cache.probs_idx`` holds per layer the canvas position of each row
         (−1 where the row did not attend: padding, or a DARE-O reused row).
 
-        ``reuse`` (a :class:`dllm_ops.dare.DareReuse`) narrows, per layer,
-        which running rows recompute: with ``mode == "kv"`` every running row
-        computes its query and attends but only the selected rows project and
-        write K/V (the others keep the cached K/V); with ``mode == "o"`` every
-        running row projects K/V but only the selected rows project queries
-        (beyond head 0, which the drift needs), attend and apply the output
-        projection; the others take their cached attention-branch output.
-        Reused rows are never computed: the selected rows are gathered
-        (dllm.gather_rows), run, and scattered back (dllm.scatter_rows).
-        ``layer_timer`` (dllm_ops.dare.LayerTimer) records each layer's time.
+        ``reuse`` is the per-layer reuse rule: an object whose
+        ``attention_branch(model, layer_index, layer, a, call)`` returns the
+        attention branch ``[B, Q, C]`` of the running rows from their
+        normed inputs ``a`` (dllm_ops.dare's DARE-KV / DARE-O narrow which
+        rows recompute); None recomputes every running row
+        (:data:`FULL_RECOMPUTE`). ``layer_timer``
+        (dllm_ops.layer_timer.LayerTimer) records each layer's time.
         """
-        c = self.config
         idx = plan.idx
         B, Q = idx.shape
         T = x.shape[1]
         safe = idx.clamp_min(0)
         h = self.embed(x.gather(1, safe))
-        pos = cache.positions.gather(1, safe)
-        table = self.rope_table()
-        scale = c.head_dim ** -0.5
+        call = LayerCall(idx=idx, pos=cache.positions.gather(1, safe), table=self.rope_table(),
+                         scale=self.config.head_dim ** -0.5, cache=cache, return_probs=return_probs)
         cache.probs = []
         cache.probs_idx = []
-        rope = None
+        branch = FULL_RECOMPUTE if reuse is None else reuse
+        timer = NO_TIMER if layer_timer is None else layer_timer
         for li, layer in enumerate(self.layers):
-            if layer_timer is not None:
-                layer_timer.start()
-            a = layer.attn_norm(h)
-            rows = None
-            if reuse is not None and reuse.mode == "o":
-                # Head 0 of every running row (the drift), the rest only where recomputed.
-                d = c.head_dim
-                q0 = F.linear(a, layer.q.weight[:d], None if layer.q.bias is None else layer.q.bias[:d])
-                rows = reuse.select(li, q0, idx, T)
-                if rows is not None:
-                    out_branch = self._attend_output_reuse(li, layer, a, rows, idx, pos, table, scale,
-                                                           cache, return_probs, reuse)
-            if rows is None or reuse.mode != "o":
-                q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
-                if reuse is not None and reuse.mode == "kv":
-                    rows = reuse.select(li, q[:, :, 0], idx, T)
-                if rows is None:
-                    k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
-                    v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
-                    cache.write(li, q, k, v, pos, table, idx)
-                else:  # DARE-KV: K/V projected and written for the selected rows only
-                    if rope is None:
-                        rope = rotary_cos_sin(table, pos)
-                    self._write_kv_rows(li, layer, a, q, rows, idx, pos, table, cache)
-                    q = _rotate_rows_except(q, rows, rope)
-                out, probs = cache.attend(li, q, scale, return_probs)
-                if return_probs:
-                    cache.probs.append(probs)
-                    cache.probs_idx.append(idx)
-                out_branch = layer.o(out.reshape(B, Q, c.n_heads * c.head_dim))
-                if reuse is not None and reuse.mode == "o":
-                    ops.scatter_rows(reuse.output_cache(li, out_branch, T), out_branch.contiguous(), idx)
-            h = h + out_branch
+            timer.start()
+            h = h + branch.attention_branch(self, li, layer, layer.attn_norm(h), call)
             h = h + layer.mlp(h)
-            if layer_timer is not None:
-                layer_timer.stop()
+            timer.stop()
         # Rows of `h` that the plan wants logits for.
         # Padding entries are routed to a spare column T so they cannot
         # overwrite the row of a real token at position 0.
-        T = x.shape[1]
         row_of = torch.full((B, T + 1), -1, dtype=torch.long, device=x.device)
         row_of.scatter_(1, torch.where(idx >= 0, idx, T), torch.arange(Q, device=x.device).expand(B, Q))
         rows = torch.where(plan.logits_idx >= 0, row_of.gather(1, plan.logits_idx.clamp_min(0)), -1)
@@ -209,71 +175,76 @@ class DiffusionLM(nn.Module):
         hl = ops.gather_rows(self.norm(h), rows)
         return self.lm_head(hl)
 
-    def _write_kv_rows(self, li, layer, a, q, rows, idx, pos, table, cache):
-        """DARE-KV: project K/V of the selected rows only and write them
-        (``q`` of those rows is rotated on a gathered copy by the write)."""
-        c = self.config
-        B, R = rows.shape
-        if R == 0:   # every running row reuses its K/V
-            return
-        a_r = ops.gather_rows(a, rows)
-        k_r = layer.k(a_r).view(B, R, c.n_kv_heads, c.head_dim)
-        v_r = layer.v(a_r).view(B, R, c.n_kv_heads, c.head_dim)
-        width = c.n_heads * c.head_dim
-        q_r = ops.gather_rows(q.view(B, q.shape[1], width), rows).view(B, R, c.n_heads, c.head_dim)
-        idx_r = _rows_of(idx, rows)
-        cache.write(li, q_r, k_r, v_r, _rows_of(pos, rows, fill=0), table, idx_r)
-        # Recomputed rows keep the write's rotation (as without reuse).
-        ops.scatter_rows(q.view(B, q.shape[1], width), q_r.view(B, R, width), rows)
 
-    def _attend_output_reuse(self, li, layer, a, rows, idx, pos, table, scale, cache, return_probs,
-                             reuse):
-        """DARE-O: every running row writes K/V; only the selected rows project
-        their queries, attend and apply the output projection; the branch
-        output of the others comes from the cache of their last recompute."""
-        c = self.config
-        B, Q = idx.shape
-        R = rows.shape[1]
-        T = cache.key_valid.shape[1]
-        k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
-        v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
-        a_r = ops.gather_rows(a, rows)
-        q_r = layer.q(a_r).view(B, R, c.n_heads, c.head_dim)
-        # The write rotates q of every row it names; reused rows hold zeros
-        # (no projection ran for them) and their rotation is discarded.
-        width = c.n_heads * c.head_dim
-        q_all = torch.zeros((B, Q, width), dtype=q_r.dtype, device=q_r.device)
-        ops.scatter_rows(q_all, q_r.reshape(B, R, width), rows)
-        q_all = q_all.view(B, Q, c.n_heads, c.head_dim)
-        cache.write(li, q_all, k, v, pos, table, idx)
-        branch = reuse.output_cache(li, a, T)
-        if return_probs:
-            cache.probs.append(torch.zeros((B, Q, T), dtype=torch.float32, device=a.device))
-            cache.probs_idx.append(torch.where(_row_mask(rows, Q), idx, torch.full_like(idx, -1)))
-        if R:
-            q_r = ops.gather_rows(q_all.view(B, Q, width), rows).view(B, R, c.n_heads, c.head_dim)
-            out_r, probs_r = cache.attend(li, q_r, scale, return_probs)
-            if return_probs:
-                ops.scatter_rows(cache.probs[-1], probs_r.float().contiguous(), rows)
-            ops.scatter_rows(branch, layer.o(out_r.reshape(B, R, width)).contiguous(), _rows_of(idx, rows))
-        return ops.gather_rows(branch, idx)
+@dataclass
+class LayerCall:
+    """What every layer of one model call shares: the running tokens' canvas
+    positions ``idx [B, Q]`` (−1 pads), their RoPE positions, the RoPE table, the
+    softmax scale, the cache, and whether attention rows are recorded."""
+    idx: torch.Tensor
+    pos: torch.Tensor
+    table: torch.Tensor
+    scale: float
+    cache: KVCache
+    return_probs: bool
+    _rope: tuple | None = None
+
+    @property
+    def canvas_length(self) -> int:
+        return self.cache.key_valid.shape[1]
+
+    def rope(self):
+        """Per-row ``cos, sin`` of the running tokens (computed once per call)."""
+        if self._rope is None:
+            self._rope = rotary_cos_sin(self.table, self.pos)
+        return self._rope
 
 
-def _rows_of(t: torch.Tensor, rows: torch.Tensor, fill: int = -1) -> torch.Tensor:
+def full_attention(model: DiffusionLM, li: int, layer: Block, a: torch.Tensor, call: LayerCall,
+                   q: torch.Tensor | None = None) -> torch.Tensor:
+    """Every running row projects its query (unless ``q`` is given), K and V,
+    writes K/V into the cache, attends, and applies the output projection."""
+    c = model.config
+    B, Q = call.idx.shape
+    if q is None:
+        q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
+    k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
+    v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
+    call.cache.write(li, q, k, v, call.pos, call.table, call.idx)
+    return attend_and_project(model, li, layer, q, call)
+
+
+def attend_and_project(model: DiffusionLM, li: int, layer: Block, q: torch.Tensor,
+                       call: LayerCall) -> torch.Tensor:
+    """Post-RoPE queries ``[B, Q, H, d]`` of the running rows attend over the
+    cache; returns the output projection ``[B, Q, C]`` (attention rows recorded
+    when the call asks for them)."""
+    B, Q = call.idx.shape
+    out, probs = call.cache.attend(li, q, call.scale, call.return_probs)
+    if call.return_probs:
+        call.cache.probs.append(probs)
+        call.cache.probs_idx.append(call.idx)
+    return layer.o(out.reshape(B, Q, -1))
+
+
+class FullRecompute:
+    """The reuse rule of a call without one: every running row recomputes."""
+
+    @staticmethod
+    def attention_branch(model, li, layer, a, call) -> torch.Tensor:
+        return full_attention(model, li, layer, a, call)
+
+
+FULL_RECOMPUTE = FullRecompute()
+
+
+def rows_of(t: torch.Tensor, rows: torch.Tensor, fill: int = -1) -> torch.Tensor:
     """``t[b, rows[b, j]]`` for ``[B, Q]`` int tensors; ``fill`` where ``rows < 0``."""
     return torch.where(rows >= 0, t.gather(1, rows.clamp_min(0)), torch.full_like(rows, fill))
 
 
-def _row_mask(rows: torch.Tensor, Q: int) -> torch.Tensor:
+def row_mask(rows: torch.Tensor, Q: int) -> torch.Tensor:
     """``[B, Q]`` bool: True at the row numbers listed in ``rows`` (−1 pads)."""
     m = torch.zeros((rows.shape[0], Q + 1), dtype=torch.bool, device=rows.device)
     m.scatter_(1, torch.where(rows >= 0, rows, Q), True)
     return m[:, :Q]
-
-
-def _rotate_rows_except(q: torch.Tensor, rows: torch.Tensor, rope) -> torch.Tensor:
-    """DARE-KV: the reused rows' queries still attend, so rotate them too (the
-    write rotated only the recomputed rows, which are kept as written)."""
-    B, Q, H, d = q.shape
-    keep = _row_mask(rows, Q)[:, :, None, None]
-    return torch.where(keep, q, apply_rotary(q, *rope))
