@@ -13,14 +13,14 @@ import os
 import pytest
 import torch
 
-import dllm_ops
-
 BACKENDS = ["cpu", "sim", "cuda"]
 # Models and the decode loop run on real devices only (the simulator runs kernels).
 MODEL_DEVICES = ["cpu", "cuda"]
 
 
 def has_real_cuda() -> bool:
+    import dllm_ops  # here, not at import: conftest.py imports this module before any test needs _C
+
     return torch.cuda.is_available() and dllm_ops.has_cuda_kernels()
 
 

@@ -6,6 +6,8 @@ import pytest
 # Tests import helpers as top-level modules (backends, sim.build).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from backends import MODEL_DEVICES, require  # noqa: E402
+
 # `make gpu-check` (DLLM_REQUIRE_CUDA=1): a skipped test or module is a failure,
 # so a GPU run cannot pass by skipping what it came to check.
 _STRICT = os.environ.get("DLLM_REQUIRE_CUDA") == "1"
@@ -34,3 +36,12 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip(outcome.get_result(), collector.nodeid)
+
+
+@pytest.fixture(scope="module", params=MODEL_DEVICES)
+def model_device(request) -> str:
+    """The device a method test's models and decode loop run on: every method
+    test that takes it runs once per device (`make gpu-check` runs the cuda
+    half against the same float64 oracles; here it skips)."""
+    require(request.param)
+    return request.param

@@ -6,7 +6,10 @@ Calibration"; docs/design.md, "dLLM-KVQ"). Rounds alternate a rollout -- the
 masked state ``x_t`` each step sees under the current assignment, scored
 ``S[i, t] = log p(y_i | x_t)`` for every legal pair -- and an exact re-solve of ``max sum_i S[i, a(i)]`` over the
 legal assignments (``scipy.optimize.linear_sum_assignment`` over step slots),
-until the assignment stops changing or ``max_rounds`` is reached.
+until the assignment stops changing or ``max_rounds`` is reached. A run that
+stops unconverged returns the best assignment it scored (the objective under
+its own rollout is not monotone over rounds, and the question is the
+trajectory most consistent with the model), not the last one.
 
 Choices where the paper is silent:
 - The answer is the task answer followed by EOS up to ``gen_length`` (a
@@ -160,6 +163,10 @@ def score_matrix(model, prompt, answer, assignment, schedule: Schedule) -> np.nd
 
 @dataclass
 class Trajectory:
+    """One traced sample. ``a_0`` is the initializer and ``a_j`` the re-solve of
+    round j; ``history[j]`` is the objective of ``a_j`` under its own rollout.
+    ``assignment`` is ``a_j`` for ``j = assignment_round``: the fixed point when
+    ``converged``, else the first of the highest-scoring assignments seen."""
     prompt: list[int]
     answer: list[int]
     assignment: list[int]
@@ -167,33 +174,38 @@ class Trajectory:
     converged: bool
     log_likelihood: float
     history: list[float] = field(default_factory=list)
+    assignment_round: int = 0
 
     def to_json(self) -> dict:
         return dict(prompt=self.prompt, answer=self.answer, assignment=self.assignment,
                     rounds=self.rounds, converged=self.converged,
-                    log_likelihood=self.log_likelihood, history=self.history)
+                    log_likelihood=self.log_likelihood, history=self.history,
+                    assignment_round=self.assignment_round)
 
 
 def trace(model, prompt: list[int], answer: list[int], schedule: Schedule,
           max_rounds: int = 4) -> Trajectory:
     """Rollout / re-solve rounds from the deterministic initializer.
-    ``log_likelihood``: the objective of the final assignment under its own rollout."""
+    ``log_likelihood``: the objective of the returned assignment under its own rollout."""
     if len(answer) != schedule.gen_length:
         raise ValueError(f"dllm_ops.calibrate: answer of {len(answer)} tokens, expected "
                          f"{schedule.gen_length} (pad with EOS)")
     a = schedule.initial()
-    history = []
+    seen, history = [], []          # seen[j] = a_j, history[j] = its objective
     for r in range(1, max_rounds + 1):
         S = score_matrix(model, prompt, answer, a, schedule)
+        seen.append(a)
         history.append(float(sum(S[i, t] for i, t in enumerate(a))))
         new = solve(S, schedule)
         if new == a:
-            return Trajectory(list(prompt), list(answer), a, r, True, history[-1], history)
+            return Trajectory(list(prompt), list(answer), a, r, True, history[-1], history, r - 1)
         a = new
     S = score_matrix(model, prompt, answer, a, schedule)
-    ll = float(sum(S[i, t] for i, t in enumerate(a)))
-    history.append(ll)
-    return Trajectory(list(prompt), list(answer), a, max_rounds, False, ll, history)
+    seen.append(a)
+    history.append(float(sum(S[i, t] for i, t in enumerate(a))))
+    best = max(range(len(history)), key=lambda j: (history[j], -j))   # ties: the earliest round
+    return Trajectory(list(prompt), list(answer), seen[best], max_rounds, False, history[best], history,
+                      best)
 
 
 def save_artifact(path: str, header: dict, trajectories: list[Trajectory]) -> None:
