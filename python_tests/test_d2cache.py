@@ -1,6 +1,7 @@
 """d²Cache in the decode loop: generate(cache="d2cache") against the independent
 float64 reference loop (python_tests/ref_d2cache.py), token for token and with
-the same tokens run per call; batching; the bug fixes; options and errors."""
+the same tokens run per call; batching; the bug fixes; options and errors.
+Every test with a model runs on every device (model_device, conftest.py)."""
 import pytest
 
 pytest.importorskip("safetensors")
@@ -21,17 +22,17 @@ OPTS = dict(current_k=3, rollout_p=0.2, sigma=4.0)   # small k: stage 1 leaves m
 
 
 @pytest.fixture(scope="module")
-def llada(tmp_path_factory):
+def llada(model_device, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("d2_llada"))
     make_checkpoint(path, "llada", seed=3)
-    return load(path, dtype=torch.float32), load_original(path)
+    return load(path, dtype=torch.float32, device=model_device), load_original(path)
 
 
 @pytest.fixture(scope="module")
-def dream(tmp_path_factory):
+def dream(model_device, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("d2_dream"))
     make_checkpoint(path, "dream", seed=4)
-    return load(path, dtype=torch.float32), load_original(path)
+    return load(path, dtype=torch.float32, device=model_device), load_original(path)
 
 
 class RecordingD2Cache(D2Cache):
@@ -79,7 +80,7 @@ CASES += [("dream", rule, 16, sig) for rule in ("1/call", "threshold") for sig i
 
 @pytest.mark.parametrize("arch,rule,block_length,decode_sigma", CASES,
                          ids=[f"{a}-{r}-block{b}-sigma{s}" for a, r, b, s in CASES])
-def test_generate_equals_reference_loop(request, arch, rule, block_length, decode_sigma):
+def test_generate_equals_reference_loop(request, model_device, arch, rule, block_length, decode_sigma):
     """Same tokens and the same tokens run by every call as ref_d2cache."""
     model, original = request.getfixturevalue(arch)
     case = CASES.index((arch, rule, block_length, decode_sigma))
@@ -97,7 +98,7 @@ def test_generate_equals_reference_loop(request, arch, rule, block_length, decod
 
 
 @pytest.mark.parametrize("arch", ["llada", "dream"])
-def test_batch_of_mixed_lengths_equals_single_and_reference(request, arch):
+def test_batch_of_mixed_lengths_equals_single_and_reference(request, model_device, arch):
     """Rows select different numbers of tokens (padded with −1, no top-up) and finish
     blocks at different calls; each row decodes and runs exactly as alone."""
     model, original = request.getfixturevalue(arch)
@@ -171,18 +172,40 @@ def test_everything_selected_is_vanilla(llada):
 
 
 def test_defaults_and_cost(llada):
-    """Reference defaults; after the first call a d2cache call runs fewer tokens than dual's."""
-    model, _ = llada
+    """Reference defaults; the tokens each call runs are the reference's (the first
+    call all of them), and fewer in all than dual's."""
+    model, original = llada
     p = D2Cache()
     assert (p.rollout_p, p.current_k, p.sigma) == (0.1, 32, 10.0)
     kw = dict(gen_length=32, block_length=32, steps=32, unmask="topk", stop_at_eos=False)
-    d2 = dllm_ops.generate(model, PROMPTS[1], cache="d2cache", d2cache=dict(current_k=4), **kw).stats
+    out = dllm_ops.generate(model, PROMPTS[1], cache="d2cache", d2cache=dict(current_k=4), **kw)
+    d2 = out.stats
     dual = dllm_ops.generate(model, PROMPTS[1], cache="dual", **kw).stats
+    want, want_runs = ref_d2cache(original, PROMPTS[1], mask_id=model.config.mask_id, gen_length=32,
+                                  block_length=32, steps=32, unmask="topk", current_k=4)
     T = len(PROMPTS[1]) + 32
-    assert d2["recomputed_per_step"][0] == T and d2["nfe"] == 32
+    assert out.tokens[0].tolist() == want
+    assert d2["recomputed_per_step"] == [len(r) for r in want_runs] and d2["nfe"] == 32
+    assert d2["recomputed_per_step"][0] == T
     assert sum(d2["recomputed_per_step"]) < sum(dual["recomputed_per_step"])
-    assert max(d2["recomputed_per_step"][1:]) <= 4 + 1 + T  # k masks + revealed + nucleus (bounded)
     assert d2["model_flops"] < dual["model_flops"]
+
+
+def test_stage1_window_reaches_the_block_of_the_kth_mask(llada):
+    """Stage 1 searches from the block start to the end of the block holding the
+    current_k-th remaining mask. With 4 blocks of 8 and k = 9, the 9th mask lies
+    one or two blocks ahead (two when the current block has one mask left), so
+    the window crosses block boundaries; tokens and runs equal the reference's."""
+    model, original = llada
+    opts = dict(current_k=9, rollout_p=0.2, sigma=4.0)
+    for prompt in PROMPTS[:2]:
+        policy = RecordingD2Cache(**opts)
+        out = dllm_ops.generate(model, prompt, policy=policy, gen_length=32, block_length=8, steps=32,
+                                unmask="topk", stop_at_eos=False)
+        want, want_runs = ref_d2cache(original, prompt, mask_id=model.config.mask_id, gen_length=32,
+                                      block_length=8, steps=32, unmask="topk", **opts)
+        assert out.tokens[0].tolist() == want
+        assert [r[0] for r in policy.runs] == want_runs
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -254,7 +277,7 @@ def test_stop_at_eos_batch_equals_single(llada):
     with torch.no_grad():
         saved = model.lm_head.weight[eos].clone()
         model.lm_head.weight[eos] += 0.6 * model.lm_head.weight.norm(dim=1).mean() * torch.randn(
-            saved.shape, generator=torch.Generator().manual_seed(1))
+            saved.shape, generator=torch.Generator().manual_seed(1)).to(saved.device)
     try:
         batch = dllm_ops.generate(model, PROMPTS, **kw)
         singles = [dllm_ops.generate(model, p, **kw) for p in PROMPTS]
