@@ -2,7 +2,8 @@
 
 Checked against the independent float64 reference python_tests/ref_dare.py:
 the same tokens and the same reuse decisions per call and layer, for both
-mechanisms, both selection modes, every cache mode and both architectures.
+mechanisms, both selection modes, every cache mode and both architectures,
+on every device (model_device, conftest.py).
 """
 import pytest
 
@@ -34,12 +35,12 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def ckpts(model_device, tmp_path_factory):
     out = {}
     for arch, seed in [("llada", 3), ("dream", 4)]:
         path = str(tmp_path_factory.mktemp(arch))
         make_checkpoint(path, arch, seed=seed, n_layers=3)
-        out[arch] = (load(path, dtype=torch.float32), load_original(path))
+        out[arch] = (load(path, dtype=torch.float32, device=model_device), load_original(path))
     return out
 
 
@@ -167,9 +168,9 @@ def test_reused_rows_are_not_computed(ckpts, dare):
     model, _ = ckpts["dream"]
     c = model.config
     T = 24
-    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(0)).to(model.device)
     x[:, 12:] = c.mask_id
-    valid = torch.ones(1, T, dtype=torch.bool)
+    valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
     cache = model.new_cache(valid)
     rule = make_dare(dare, dict(rho=0.5), c)
     rule.log = []
@@ -200,9 +201,9 @@ def test_dare_o_attention_rows_of_reused_tokens_are_marked(ckpts):
     model, _ = ckpts["llada"]
     c = model.config
     T = 20
-    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(1)).to(model.device)
     x[:, 10:] = c.mask_id
-    valid = torch.ones(1, T, dtype=torch.bool)
+    valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
     cache = model.new_cache(valid)
     rule = make_dare("o", dict(rho=0.5), c)
     rule.log = []
@@ -215,9 +216,9 @@ def test_dare_o_attention_rows_of_reused_tokens_are_marked(ckpts):
     model.step(x, StepPlan.from_mask(run, run), cache, reuse=rule, return_probs=True)
     for li in range(c.n_layers):
         reused = rule.log[c.n_layers + li][2][0]
-        rows = cache.probs_idx[li][0]
+        rows = cache.probs_idx[li][0].cpu()
         assert [int(p) for p in rows if p >= 0] == [p for p in range(10, 20) if not reused[p]]
-        attended = cache.probs[li][0][rows >= 0]
+        attended = cache.probs[li][0].cpu()[rows >= 0]
         assert torch.allclose(attended.sum(-1), torch.ones(len(attended)))
         assert not bool(cache.probs[li][0][rows < 0].any())
 
@@ -237,16 +238,28 @@ def test_allocation_rule():
 
 
 def test_stats_per_layer(ckpts):
-    model, _ = ckpts["llada"]
+    model, original = ckpts["llada"]
+    n_layers = model.config.n_layers
     out, rule = _run(model, PROMPT, "dual", "kv", dict(rho=0.75), **_kw("llada"))
     s = out.stats
-    per_layer = [0] * model.config.n_layers
+    per_layer = [0] * n_layers
     for _, layer, m in rule.log:
         per_layer[layer] += int(m.sum())
     assert per_layer == rule.reused
     assert s["dare_activations_reused"] == sum(per_layer)
     assert s["dare_reuse_share"] == pytest.approx(sum(per_layer) / s["dare_activations_run"])
-    assert len(s["dare_reuse_share_per_layer"]) == model.config.n_layers
+    # per layer, the reference's reused count over the tokens every layer runs in a
+    # reuse-eligible call (the same tokens in each layer)
+    kw = _kw("llada")
+    kw.pop("stop_at_eos")
+    _, ref = ref_dare_generate(original, PROMPT, mask_id=model.config.mask_id, cache="dual", dare="kv",
+                               rho=0.75, **kw)
+    ref_reused = [0] * n_layers
+    for _, layer, rows in ref.log:
+        ref_reused[layer] += sum(len(r) for r in rows)
+    assert ref.ran % n_layers == 0
+    assert s["dare_reuse_share_per_layer"] == pytest.approx([r / (ref.ran // n_layers) for r in ref_reused],
+                                                            rel=1e-12)
     # every masked token's layer-0 query is unchanged between calls (same input): drift 0
     zero = s["dare_reused_with_zero_drift_per_layer"]
     assert len(zero) == model.config.n_layers and zero[0] == 1.0 and all(0 <= z <= 1 for z in zero)
