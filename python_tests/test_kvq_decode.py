@@ -4,7 +4,8 @@ The decode must equal ref_kvq.ref_generate_kvq -- an independent float64 loop
 that replaces the reused region by its QDQ image after each block-start
 forward -- token for token; the packed cache must dequantize to exactly that
 QDQ image; its attention must equal float64 attention over it; and bad
-input must be refused with a clear error.
+input must be refused with a clear error. Every test with a model runs on
+every device (model_device, conftest.py).
 """
 import json
 
@@ -27,17 +28,17 @@ from tiny_ckpt import make_checkpoint
 
 
 @pytest.fixture(scope="module")
-def llada(tmp_path_factory):
+def llada(model_device, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("kvq_llada"))
     make_checkpoint(path, "llada", seed=3)
-    return load(path, dtype=torch.float32), load_original(path)
+    return load(path, dtype=torch.float32, device=model_device), load_original(path)
 
 
 @pytest.fixture(scope="module")
-def dream(tmp_path_factory):
+def dream(model_device, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("kvq_dream"))
     make_checkpoint(path, "dream", seed=4)
-    return load(path, dtype=torch.float32), load_original(path)
+    return load(path, dtype=torch.float32, device=model_device), load_original(path)
 
 
 PROMPTS = [[5, 9, 11, 30, 7, 8, 12, 40, 41, 6, 9, 10, 22, 50, 51, 17, 5, 33, 34],
@@ -80,7 +81,7 @@ def _ref(original, model, prompt, cache, method, bits, layers, group, **kw):
 @pytest.mark.parametrize("method,layers,bits", [("kivi", None, 2), ("kivi", None, 4),
                                                ("kvq", KVQ_LAYERS, 2), ("kvq", KVQ_LAYERS_B, 4)],
                          ids=["kivi2", "kivi4", "kvq2", "kvq4"])
-def test_quantized_decode_equals_qdq_reference(request, arch, cache, method, layers, bits):
+def test_quantized_decode_equals_qdq_reference(request, model_device, arch, cache, method, layers, bits):
     model, original = request.getfixturevalue(arch)
     group = 8  # several groups (and protected tokens) in the short prefixes
     kvq = _kv_quant(model, cache, method, bits, layers, group)
@@ -127,7 +128,7 @@ def _block_start(model, cache, x, bs, be):
 
 @pytest.mark.parametrize("arch", ["llada", "dream"])
 @pytest.mark.parametrize("score,p", [("attention", 2), ("qerror", 1), ("product", 4), ("qerror", 0)])
-def test_packed_region_is_the_qdq_image(request, arch, score, p):
+def test_packed_region_is_the_qdq_image(request, model_device, arch, score, p):
     """After the block-start forward, the dequantized reused region equals the
     reference QDQ of the full-precision K/V bit for bit, the recomputed
     columns are the full-precision ones, and only they stay in full precision."""
@@ -135,23 +136,23 @@ def test_packed_region_is_the_qdq_image(request, arch, score, p):
     c = model.config
     prompt = PROMPTS[0]
     T, bs, be = len(prompt) + 16, len(prompt), len(prompt) + 8
-    x = torch.tensor([prompt + [c.mask_id] * 16])
-    valid = torch.ones(1, T, dtype=torch.bool)
+    x = torch.tensor([prompt + [c.mask_id] * 16], device=model.device)
+    valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
     plain = model.new_cache(valid)
     _block_start(model, plain, x, bs, be)
     for mode in ("prefix", "dual"):
         qc = QuantKVCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                          key_valid=valid, dtype=torch.float32, device="cpu", mode=mode, bits=2,
+                          key_valid=valid, dtype=torch.float32, device=model.device, mode=mode, bits=2,
                           group=8, layers=[make_table(model, "t", mode, 2, [(score, p)] * c.n_layers,
                                                       group=8).layers[0]] * c.n_layers)
         _block_start(model, qc, x, bs, be)
         # importance from the float64 reference forward's attention (same tokens)
-        _, _, probs = forward(original, x[0])
+        _, _, probs = forward(original, x[0].cpu())
         fe = be if mode == "dual" else T
         for li in range(c.n_layers):
             assert qc.k[li].shape[2] == fe - bs  # only the recomputed columns in full precision
-            kw, vw = qc.dequantized(li)
-            k, v = plain.k[li][0], plain.v[li][0]                # [H, T, d]
+            kw, vw = (t.cpu() for t in qc.dequantized(li))
+            k, v = plain.k[li][0].cpu(), plain.v[li][0].cpu()    # [H, T, d]
             assert torch.equal(kw[0, :, bs:fe], k[:, bs:fe])
             assert torch.equal(vw[0, :, bs:fe], v[:, bs:fe])
             attn = probs[li][bs:be].mean(0)
@@ -164,26 +165,37 @@ def test_packed_region_is_the_qdq_image(request, arch, score, p):
 
 
 def test_attention_is_one_softmax_over_packed_and_fresh(llada):
-    """A later call's attention equals float64 attention over the dequantized
-    region plus the recomputed keys (within sparse_attention's tolerance)."""
-    model, _ = llada
+    """A later call's attention equals float64 attention over the reference QDQ
+    image of the reused regions (ref_kvq, from the full-precision K/V and the
+    float64 forward's attention) plus the full-precision block keys (within
+    sparse_attention's tolerance)."""
+    model, original = llada
     c = model.config
     prompt = PROMPTS[0]
     T, bs, be = len(prompt) + 16, len(prompt), len(prompt) + 8
-    x = torch.tensor([prompt + [c.mask_id] * 16])
-    valid = torch.ones(1, T, dtype=torch.bool)
+    x = torch.tensor([prompt + [c.mask_id] * 16], device=model.device)
+    valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
+    plain = model.new_cache(valid)
+    _block_start(model, plain, x, bs, be)
     qc = QuantKVCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                      key_valid=valid, dtype=torch.float32, device="cpu", mode="dual", bits=2,
+                      key_valid=valid, dtype=torch.float32, device=model.device, mode="dual", bits=2,
                       group=8, layers=make_table(model, "t", "dual", 2, KVQ_LAYERS, group=8).layers)
     _block_start(model, qc, x, bs, be)
-    torch.manual_seed(0)
-    q = torch.randn(1, 8, c.n_heads, c.head_dim)
-    for li in range(c.n_layers):
-        out, probs = qc.attend(li, q, c.head_dim ** -0.5, return_probs=True)
-        kw, vw = (t.clone() for t in qc.dequantized(li))
-        want, wp = dllm_ops.reference.attention_f64(q, kw, vw, valid, c.head_dim ** -0.5)
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(probs.double(), wp.mean(1), rtol=1e-5, atol=1e-6)
+    _, _, probs = forward(original, x[0].cpu())
+    q = torch.randn(1, 8, c.n_heads, c.head_dim, generator=torch.Generator().manual_seed(0))
+    scale = c.head_dim ** -0.5
+    for li, (score, p) in enumerate(KVQ_LAYERS):
+        k, v = plain.k[li][0].cpu(), plain.v[li][0].cpu()    # [H, T, d] full precision
+        attn = probs[li][bs:be].mean(0)
+        k_img, v_img = k.double(), v.double()
+        for a, b in [(0, bs), (be, T)]:
+            imp = importance_of(score, k[:, a:b], attn[a:b], 2, 8, torch.float32) if p else None
+            k_img[:, a:b] = qdq_k(k[:, a:b], 2, 8, p, imp, torch.float32)
+            v_img[:, a:b] = qdq_v(v[:, a:b], 2, 8, torch.float32)
+        want, wp = dllm_ops.reference.attention_f64(q, k_img[None], v_img[None], valid.cpu(), scale)
+        out, got_probs = qc.attend(li, q.to(model.device), scale, return_probs=True)
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_probs.cpu().double(), wp.mean(1), rtol=1e-5, atol=1e-6)
 
 
 def test_batch_equals_single(llada):
