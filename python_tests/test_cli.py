@@ -110,8 +110,9 @@ def test_option_parsing():
     names = set(dllm_ops.options.generate_option_names())
     assert {"cache", "gen_length", "threshold", "alg", "seed"} <= names
     assert not names & {"model", "tokenizer_or_ids", "prompt", "messages", "policy"}
-    if "d2cache" in names:  # dotted keys build dict options
-        assert generate_options({"d2cache.rollout_p": "0.2", "d2cache.current_k": 8}) == \
-            {"d2cache": {"rollout_p": 0.2, "current_k": 8}}
+    assert "d2cache" in names
+    # dotted keys build dict options
+    assert generate_options({"d2cache.rollout_p": "0.2", "d2cache.current_k": 8}) == \
+        {"d2cache": {"rollout_p": 0.2, "current_k": 8}}
     with pytest.raises(OptionError, match="given both as a value and as 'cache.x'"):
         generate_options({"cache": "dual", "cache.x": 1})

@@ -140,5 +140,6 @@ def test_lm_eval_exact_match_equals_bench_accuracy(model, tmp_path, monkeypatch)
     for t in names:
         assert res["results"][f"dllm_{t}"]["exact_match,none"] == pytest.approx(bench[t], abs=1e-12), t
     assert res["results"]["dllm_tasks"]["exact_match,none"] == pytest.approx(bench["all"], abs=1e-12)
-    saved = json.loads(json.dumps(res["config"]["model_args"]))
-    assert saved["cache"] == "dual"
+    # the run's config records exactly the model_args it was given, as JSON
+    assert json.loads(json.dumps(res["config"]["model_args"])) == \
+        dict(BASE, cache="dual", unmask="threshold", threshold=0.9)
