@@ -7,12 +7,17 @@
 # decode tests also read safetensors checkpoints and tokenizers, which the
 # GPU image has), installs nothing. Steps, each appended to REPORT:
 #   1. build _C with its CUDA kernels for sm_90 (FORCE_CUDA: no CPU fallback);
-#   2. the whole suite's CUDA half (`-k cuda`: every op on the GPU, the models
-#      in fp32/bf16/fp16 and the decode loop; not the CPU simulator's own tests,
-#      test_cudasim.py, nor the slow re-training), every skip turned into a
-#      failure (DLLM_REQUIRE_CUDA=1, conftest.py);
-#   3. python -m bench ops --device cuda;
-#   4. python -m bench decode --synthetic llada-8b --layers 4 --device cuda.
+#   2. the selection: tools/count_cuda_tests.py prints, per test file, the
+#      CUDA-parametrized tests and those step 3's -k selects, and fails if one
+#      is not selected (or none is), so a -k that matches nothing cannot pass;
+#   3. the whole suite's CUDA half (`-k cuda`: every op on the GPU, the models
+#      in fp32/bf16/fp16, the decode loop and every method -- d2Cache, DARE,
+#      dLLM-KVQ decoding, TRACE, policy selection -- against its float64
+#      oracle; not the CPU simulator's own tests, test_cudasim.py, nor the slow
+#      re-training), every skip turned into a failure (DLLM_REQUIRE_CUDA=1,
+#      conftest.py);
+#   4. python -m bench ops --device cuda;
+#   5. python -m bench decode --synthetic llada-8b --layers 4 --device cuda.
 # Exit status: 0 iff every step passed. Budget: <= 8 minutes on an H200.
 set -uo pipefail
 PY=${1:-python3}
@@ -38,8 +43,13 @@ step() {   # step NAME CMD...: run, append its output to the report, remember fa
 }
 step build env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 "$PY" setup.py -q build_ext --inplace || {
   echo "# FAILED: build (nothing else ran)" | tee -a "$REPORT"; exit 1; }
+# One selection for both steps: the count checks exactly what pytest runs.
+SELECT_K="cuda and not cudasim"
+SELECT_M="not slow"
+step selection env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" tools/count_cuda_tests.py --check \
+  -k "$SELECT_K" -m "$SELECT_M" python_tests
 step pytest env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
-  -p no:cacheprovider -k "cuda and not cudasim" -m "not slow" --durations=15 --tb=short
+  -p no:cacheprovider -k "$SELECT_K" -m "$SELECT_M" --durations=15 --tb=short
 step bench-ops env PYTHONPATH="$PWD" "$PY" -m bench ops --device cuda
 step bench-decode env PYTHONPATH="$PWD" "$PY" -m bench decode --synthetic llada-8b --layers 4 \
   --device cuda --prompt-length 256 --gen-length 256 --block-length 32
