@@ -2,12 +2,19 @@
 
   python -m bench decode --model PATH|NAME [--caches none prefix dual] ...
   python -m bench decode --synthetic llada-8b --layers 4 --prompt-length 256 --gen-length 256
+  python -m bench decode --synthetic llada-d1024-v32k --long-d2cache --prompt-length 128 --threads 2
   python -m bench decode --model tiny-llada --task all --n 500      (accuracy, bench/accuracy.py)
 
 For each cache mode: NFE, generated tokens/s, tokens recomputed (summed over
 layers), model FLOPs, and wall-clock and FLOP speed-ups over vanilla measured
 in the same run. Synthetic models have random weights at real layer shapes
 (fewer layers), so they measure cost, not quality.
+
+``--long-d2cache`` is issue 43's comparison in one command: vanilla and dual
+in blocks of 32 against d²Cache in its own setting, one block spanning the
+generated region with k 8, p 0.1, σ 10, all at one token per call (top-k,
+steps = gen length). ``--profile`` decodes each mode once more under
+torch.profiler and prints its top ops by self CPU time with their shapes.
 """
 from __future__ import annotations
 
@@ -29,6 +36,13 @@ SYNTHETIC = {
                      max_seq_len=32768, qkv_bias=True, mask_id=151666, eos_id=151643, pad_id=151643,
                      bos_id=151643),
 }
+# d 1024, 8 heads, MLP 2816, vocab 32000: a small LLaDA layout whose LM head
+# still dominates a call's logits work (issue 43's measurement shape).
+SYNTHETIC["llada-d1024-v32k"] = dict(arch="llada", vocab_size=32000, hidden_size=1024, n_heads=8,
+                                     n_kv_heads=8, head_dim=128, intermediate_size=2816, rms_eps=1e-5,
+                                     rope_theta=500000.0, max_seq_len=4096, qkv_bias=False,
+                                     mask_id=31999, eos_id=31998, pad_id=31998, bos_id=31997)
+LONG_D2CACHE_MODES = ["none", "dual", "d2cache:k=8,p=0.1,sigma=10"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -78,6 +92,9 @@ def cmd_decode(args) -> int:
         print(format_table(rows))
         _write_csv(args.csv, rows)
         return 0
+    if args.long_d2cache:
+        args.caches = args.caches or LONG_D2CACHE_MODES
+        args.unmask = "topk"
     args.caches = args.caches or ["none", "prefix", "dual", "d2cache"]
     args.block_length = args.block_length or 32
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -145,9 +162,26 @@ def cmd_decode(args) -> int:
               f"recomputed={r['tokens_recomputed']:<9} TFLOPs={r['model_tflops']:8.3f} "
               f"speedup={r['speedup_wall']:5.2f}x flops-ratio={r['flops_ratio']:5.2f}x "
               f"layer={r['layer_ms']:.2f}ms run/call={r['run_per_call']:.1f}{sel}", flush=True)
+        if args.profile:
+            again = D2Cache(**(d2cache_opts or {})) if base_cache == "d2cache" else None
+            _print_profile(model, prompts, dict(cache=base_cache, policy=again, dare=dare, dare_opts=dare_opts,
+                                                **mode_kw), args.profile)
     _print_table(rows)
     _write_csv(args.csv, rows)
     return 0
+
+
+def _print_profile(model, prompts, generate_kw, top: int) -> None:
+    """Decode once more under torch.profiler; print the top ops by self CPU time,
+    grouped by input shapes (so a ``[B, block, V]`` tensor would show)."""
+    import dllm_ops
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        dllm_ops.generate(model, prompts, **generate_kw)
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=top,
+                                                              max_name_column_width=32,
+                                                              max_shapes_column_width=60), flush=True)
 
 
 def _layer_latency(stats) -> dict:
@@ -162,7 +196,8 @@ def _layer_latency(stats) -> dict:
 
 
 def _print_table(rows):
-    hdr = (f"{'cache':<12} {'block':>5} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'run/call':>8} "
+    w = max([12] + [len(r["cache"]) for r in rows])
+    hdr = (f"{'cache':<{w}} {'block':>5} {'NFE':>5} {'wall_s':>9} {'tok/s':>9} {'recomputed':>11} {'run/call':>8} "
            f"{'TFLOPs':>9} {'speedup':>8} {'flops x':>8} {'select':>7} {'reused':>7} {'layer_ms':>9} {'layer x':>8}"
            f"  per-layer ms")
     print(hdr)
@@ -171,7 +206,7 @@ def _print_table(rows):
         reuse = f"{r['reuse']:.1%}" if r["reuse"] is not None else "-"
         lx = f"{r['layer_speedup']:.2f}" if r["layer_speedup"] is not None else "-"
         sel = f"{r['select_share']:.2%}" if r["select_share"] is not None else "-"
-        print(f"{r['cache']:<12} {r['block_length']:>5} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
+        print(f"{r['cache']:<{w}} {r['block_length']:>5} {r['nfe']:>5} {r['wall_s']:>9.2f} {r['tokens_per_s']:>9.2f} "
               f"{r['tokens_recomputed']:>11} {r['run_per_call']:>8.1f} {r['model_tflops']:>9.3f} "
               f"{r['speedup_wall']:>8.2f} {r['flops_ratio']:>8.2f} {sel:>7} {reuse:>7} {r['layer_ms']:>9.2f} "
               f"{lx:>8}  {r['layer_ms_per_layer']}")
@@ -207,6 +242,11 @@ def add_parser(sub) -> None:
                    help="with --task: the cached modes' threshold (<= 0: one token per call)")
     p.add_argument("--d2cache-block-length", type=int, default=None,
                    help="block length of the d2cache rows (default: --gen-length, one block as d²Cache runs)")
+    p.add_argument("--long-d2cache", action="store_true",
+                   help="issue 43's table: none and dual in blocks of 32 beside d2cache (k 8, p 0.1, sigma 10) "
+                        "as one block of --gen-length, one token per call (unmask topk)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="decode each mode once more under torch.profiler and print its top N ops")
     p.add_argument("--max-blocks", type=int, default=None,
                    help="decode only the first N blocks (cost measurements on slow machines)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

@@ -51,6 +51,18 @@ class GenerateOutput:
 
 
 @dataclass
+class LogitRowScores:
+    """``dllm.token_confidence`` of each logits row of the last call, ``[B, P]``
+    (rows follow ``DecodeState.last_plan.logits_idx``), so a policy reads the
+    call's scores instead of scoring the same logits again."""
+    token: torch.Tensor
+    score: torch.Tensor
+    #: the score is the max softmax probability with only the mask token
+    #: suppressed (rule mode "prob", greedy, no EOS suppression, no Dream filter)
+    is_max_prob: bool
+
+
+@dataclass
 class DecodeState:
     """Everything a policy may look at; owned and advanced by the loop."""
     model: DiffusionLM
@@ -66,6 +78,7 @@ class DecodeState:
     recomputed: list = field(default_factory=list)   # tokens run per call (per layer)
     last_plan: StepPlan | None = None      # the last call's plan and its logits [B, P, V]
     last_logits: torch.Tensor | None = None  # (rows follow last_plan.logits_idx)
+    last_scores: LogitRowScores | None = None  # the reveal's scores of those rows
 
     @property
     def mask_id(self) -> int:
@@ -343,7 +356,7 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
             if timer is not None:
                 layer_seconds.append(timer.seconds)
                 layer_block_start.append(state.step == 0)
-            state.last_plan, state.last_logits = plan, logits
+            state.last_plan, state.last_logits, state.last_scores = plan, logits, None
             state.nfe += 1
             state.recomputed.append(plan.n_tokens)
             flops += step_flops(model, plan, T)
@@ -379,26 +392,6 @@ def generate(model: DiffusionLM, tokenizer_or_ids, *, prompt=None, messages=None
     return GenerateOutput(tokens=tokens, sequences=sequences, text=text, stats=stats)
 
 
-def _block_logits(state: DecodeState, plan: StepPlan, logits) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, n, V]`` logits per position of the current block (zeros where the
-    plan returned none) and the ``[B, n]`` mask of positions that have them."""
-    c = state.model.config
-    B = state.x.shape[0]
-    s, e = state.block_start, state.block_end
-    n = e - s
-    # Logit rows per block position (plan.logits_idx is ascending, -1 padded).
-    src = torch.arange(s, e, device=state.x.device) - (1 if c.logit_shift else 0)
-    V = logits.shape[-1]
-    P = plan.logits_idx.shape[1]
-    where = (plan.logits_idx[:, None, :] == src[None, :, None])    # [B, n, P]
-    has = where.any(-1)
-    row = where.float().argmax(-1)                                  # [B, n]
-    flat = torch.zeros(B, n, V, dtype=logits.dtype, device=logits.device)
-    if P:
-        flat = torch.where(has[..., None], logits.gather(1, row[..., None].expand(B, n, V)), flat)
-    return flat, has
-
-
 def dream_filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None,
                         top_k: int | None) -> torch.Tensor:
     """Dream's sample_tokens logit processing: ``/ T``, then top-p (keep the
@@ -420,48 +413,88 @@ def dream_filter_logits(logits: torch.Tensor, temperature: float, top_p: float |
     return x
 
 
+def _block_positions(state: DecodeState, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each logits row of the call (``[B, P]``, following ``plan.logits_idx``): the
+    block position it predicts (0 .. n-1) and whether that position is in the block."""
+    shift = 1 if state.model.config.logit_shift else 0  # Dream: row j-1 predicts token j
+    pos = plan.logits_idx + shift - state.block_start
+    in_block = (plan.logits_idx >= 0) & (pos >= 0) & (pos < state.block_end - state.block_start)
+    return pos, in_block
+
+
+def _rows_to_block(values: torch.Tensor, pos: torch.Tensor, in_block: torch.Tensor, n: int,
+                   fill) -> torch.Tensor:
+    """Scatter per-row ``[B, P]`` values to ``[B, n]`` block positions; positions no row
+    predicts hold `fill`. Rows outside the block go to a spare column that is dropped."""
+    B = values.shape[0]
+    out = torch.full((B, n + 1), fill, dtype=values.dtype, device=values.device)
+    out.scatter_(1, torch.where(in_block, pos, n), values)
+    return out[:, :n]
+
+
+def _gumbel_noise_rows(generators, drawing: list[bool], pos: torch.Tensor, in_block: torch.Tensor,
+                       n: int, V: int, device) -> torch.Tensor:
+    """``[B*P, V]`` float32 Gumbel noise for the call's logits rows.
+
+    A drawing row consumes its generator's stream exactly as a decode always has:
+    one ``(n, V)`` float64 uniform per call, block position by position, so a
+    row samples the same tokens alone or in any batch and whatever the cache.
+    Only the rows that have logits are transformed and kept (gathered from
+    the draw); the draw itself stays ``n × V``, which is the price of that stream.
+    """
+    B, P = pos.shape
+    noise = torch.zeros(B, P, V, dtype=torch.float32)
+    rows, keep = pos.clamp(0, n - 1).cpu(), in_block.cpu()
+    for r in range(B):
+        if drawing[r]:
+            u = torch.rand((n, V), generator=generators[r], dtype=torch.float64)
+            g = -torch.log(-torch.log(u.index_select(0, rows[r]).clamp_min(1e-300)))
+            noise[r] = torch.where(keep[r, :, None], g.float(), 0.0)
+    return noise.to(device).reshape(B * P, V)
+
+
+def _uniform_draws(generators, drawing: list[bool], B: int, n: int, device) -> torch.Tensor:
+    """``[B, n]``: one uniform per block position from each drawing row's generator."""
+    uniform = torch.zeros(B, n)
+    for r in range(B):
+        if drawing[r]:
+            uniform[r] = torch.rand((n,), generator=generators[r])
+    return uniform.to(device)
+
+
 def _reveal(state: DecodeState, plan: StepPlan, logits, rule: RevealRule, *, temperature, remasking,
             top_p, top_k, dream, suppress, generators) -> torch.Tensor:
-    """Pick and commit tokens of the current block; returns the ``[B, T]`` commit mask."""
+    """Pick and commit tokens of the current block; returns the ``[B, T]`` commit mask.
+
+    Scores come from the ``[B, P, V]`` logits rows the call returned and are
+    scattered to ``[B, n]`` block positions: no tensor of block × vocabulary is
+    formed (a sampled decode still draws its ``n × V`` uniform stream, see
+    ``_gumbel_noise_rows``), so a call costs what it recomputes.
+    """
     B, T = state.x.shape
     s, e = state.block_start, state.block_end
     n = e - s
+    P, V = logits.shape[1], logits.shape[2]
+    pos, in_block = _block_positions(state, plan)
+    has = _rows_to_block(in_block, pos, in_block, n, False)          # [B, n]
     cand = state.candidates()[:, s:e]                              # [B, n]
-    flat, has = _block_logits(state, plan, logits)
     if getattr(plan, "partial_logits", False):
         cand = cand & has  # d²Cache: a mask this call did not predict is not its candidate
     elif bool((cand & ~has).any()):
         raise DecodeError("dllm_ops.generate: the policy's plan has no logits for a candidate")
-    V = flat.shape[-1]
     # Random draws, per row from the row's own generator, only for rows that
     # decode this call: a row's stream is the one it would consume alone.
     drawing = cand.any(1).tolist()
     noise = None
     if temperature > 0:
-        noise = torch.zeros(B, n, V, dtype=torch.float64)
-        for r in range(B):
-            if drawing[r]:
-                u = torch.rand((n, V), generator=generators[r], dtype=torch.float64).clamp_min(1e-300)
-                noise[r] = -torch.log(-torch.log(u))
-        noise = noise.float().to(logits.device).reshape(B * n, V)
+        noise = _gumbel_noise_rows(generators, drawing, pos, in_block, n, V, logits.device)
     uniform = None
     if remasking == "random" or rule.draws_uniform:
-        uniform = torch.zeros(B, n)
-        for r in range(B):
-            if drawing[r]:
-                uniform[r] = torch.rand((n,), generator=generators[r])
-        uniform = uniform.to(state.x.device)
-    scores = flat.reshape(B * n, V).float()
-    conf_temperature = float(temperature)
-    if dream:
-        # Dream's sample_tokens: the mask token is removed first (it is never an
-        # outcome here), then / T, top-p, top-k; token and confidence both come
-        # from the processed distribution, so the op runs at temperature 1.
-        scores = scores.index_fill(-1, suppress, float("-inf"))
-        scores = dream_filter_logits(scores, float(temperature), top_p, top_k)
-        conf_temperature = 1.0 if temperature > 0 else 0.0
-    token, score = ops.token_confidence(scores, rule.mode, conf_temperature, suppress, noise)
-    token, score = token.view(B, n), score.view(B, n)
+        uniform = _uniform_draws(generators, drawing, B, n, state.x.device)
+    token, score = _row_scores(state, logits, rule.mode, temperature=temperature, top_p=top_p,
+                               top_k=top_k, dream=dream, suppress=suppress, noise=noise)
+    token = _rows_to_block(token.view(B, P), pos, in_block, n, state.mask_id)
+    score = _rows_to_block(score.view(B, P), pos, in_block, n, 0.0)
     if remasking == "random":
         score = uniform
     region = state.x[:, state.gen_start:] != state.mask_id
@@ -471,6 +504,29 @@ def _reveal(state: DecodeState, plan: StepPlan, logits, rule: RevealRule, *, tem
     full = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)
     full[:, s:e] = commit
     return full
+
+
+def _row_scores(state: DecodeState, logits, mode: str, *, temperature, top_p, top_k, dream, suppress,
+                noise) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dllm.token_confidence`` over the call's ``[B*P, V]`` logits rows (Dream's
+    filter first); records them on ``state.last_scores`` for the policy."""
+    B, P, V = logits.shape
+    scores = logits.reshape(B * P, V).float()
+    conf_temperature = float(temperature)
+    filtered = False
+    if dream:
+        # Dream's sample_tokens: the mask token is removed first (it is never an
+        # outcome here), then / T, top-p, top-k; token and confidence both come
+        # from the processed distribution, so the op runs at temperature 1.
+        scores = scores.index_fill(-1, suppress, float("-inf"))
+        scores = dream_filter_logits(scores, float(temperature), top_p, top_k)
+        conf_temperature = 1.0 if temperature > 0 else 0.0
+        filtered = temperature > 0 or (top_p is not None and top_p < 1) or top_k is not None
+    token, score = ops.token_confidence(scores, mode, conf_temperature, suppress, noise)
+    max_prob = (mode == "prob" and temperature == 0 and not filtered
+                and suppress.numel() == 1 and int(suppress[0]) == state.mask_id)
+    state.last_scores = LogitRowScores(token.view(B, P), score.view(B, P), max_prob)
+    return token, score
 
 
 def _finish_rows_at_eos(state: DecodeState) -> torch.Tensor:

@@ -60,6 +60,11 @@ Choices where the sources are silent:
 - The rollout of a call uses only the rows that ran in it: the first call's
   full forward gives every row; later calls give identity rows for every
   token not recomputed (exactly the reference's dense product).
+- The confidence refresh reads the decode loop's scores of the call
+  (``DecodeState.last_scores``) when they are the max probability with only
+  the mask suppressed (rule mode "prob", greedy, no EOS suppression or Dream
+  filter); otherwise it scores the call's logits rows itself. Either way it
+  touches only the rows the call returned.
 - ``selection_s`` accumulates the time of all of the policy's own work per
   decode (density, ranking, rollout, nucleus, confidence refresh); with
   ``sync_timing`` it synchronises the device around it (benchmarks only).
@@ -203,20 +208,27 @@ class D2Cache(Policy):
         return out
 
     def _refresh_confidence(self, state, plan: StepPlan, logits: torch.Tensor) -> None:
-        """Cache the max-probability confidence of every masked token this call predicted."""
+        """Cache the max-probability confidence of every masked token this call predicted,
+        written in place at those positions only."""
         rows = plan.logits_idx
         if rows.shape[1] == 0:
             return
-        B, P = rows.shape
-        V = logits.shape[-1]
+        conf = self._max_prob_of_rows(state, logits)                 # [B, P]
+        b, p = (rows >= 0).nonzero(as_tuple=True)
+        target = rows[b, p] + (1 if state.model.config.logit_shift else 0)
+        self._conf.index_put_((b, target), conf[b, p])
+
+    @staticmethod
+    def _max_prob_of_rows(state, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, P]`` max softmax probability (mask token excluded) of each logits row:
+        the loop's own scores of this call when they are that quantity, else scored here."""
+        scored = state.last_scores
+        if scored is not None and scored.is_max_prob and scored.score.shape == logits.shape[:2]:
+            return scored.score
+        B, P, V = logits.shape
         suppress = torch.tensor([state.mask_id], device=logits.device)
         _, conf = ops.token_confidence(logits.reshape(B * P, V).float(), "prob", 0.0, suppress, None)
-        target = rows + (1 if state.model.config.logit_shift else 0)
-        T = self._conf.shape[1]
-        # Padding rows go to a spare column that is dropped.
-        spare = torch.cat([self._conf, torch.zeros(B, 1, dtype=self._conf.dtype, device=self._conf.device)], 1)
-        spare.scatter_(1, torch.where(rows >= 0, target, T), conf.view(B, P))
-        self._conf = spare[:, :T].contiguous()
+        return conf.view(B, P)
 
     def _tick(self, state) -> float:
         if self.sync_timing and state.x.is_cuda:
