@@ -12,7 +12,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_home.py)
 export CUDA_HOME
 
-.PHONY: venv build eval test test-slow pytest ctest sanitize demo tiny-models gpu-check clean
+.PHONY: venv build eval test test-slow pytest ctest sanitize mutate mutate-fast demo tiny-models gpu-check clean
 
 # ---- set-up ------------------------------------------------------------------
 $(VENV)/.deps-stamp: requirements.txt
@@ -44,6 +44,7 @@ test: build
 	$(VPY) -m pytest python_tests -ra -m "not slow"
 	$(MAKE) ctest
 	$(MAKE) sanitize
+	$(MAKE) mutate-fast
 
 pytest: build
 	$(VPY) -m pytest python_tests -ra -m "not slow"
@@ -72,6 +73,18 @@ sanitize: venv
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	DLLM_OPS_LIBRARY=$(CURDIR)/$(ASAN_DIR)/libdllm_ops_lib.so \
 	  $(VPY) -m pytest python_tests -q -p no:cacheprovider -k "cpu and not sim and not cuda" -m "not slow and not models"
+
+# Mutation check (tools/mutate.py, the list in tools/mutations.py): each named
+# bug planted in a copy of the tree under build/mutate/ (never in this one), one
+# at a time; the tests that must catch it run; a table `mutation | caught by |
+# result`; non-zero exit if any survives or no longer applies. `mutate` runs
+# the whole list, `mutate-fast` the subset marked fast (part of `make test`).
+# README.md "Tests and CI time" has their measured times.
+mutate: build
+	$(VPY) tools/mutate.py
+
+mutate-fast: build
+	$(VPY) tools/mutate.py --fast
 
 # ---- main job ----------------------------------------------------------------
 # Exact match, NFE, tokens/s and agreement with vanilla of the shipped
