@@ -196,3 +196,36 @@ def test_sampling_draws_the_stream_but_scores_returned_rows(llada, monkeypatch):
     for i, c in enumerate(calls, start=1):
         beyond = {op for op, _ in c.ops} - allowed
         assert not beyond, f"call {i} ({c.rows} logits rows): {sorted(beyond)} touched more than them"
+
+
+SCORE_CASES = [
+    ("llada", dict(unmask="topk")),                                   # reuses the reveal's scores
+    ("llada", dict(unmask="topk", suppress_eos=True)),                # EOS suppressed too
+    ("llada", dict(unmask="topk", temperature=0.7, seed=2)),          # sampled token's probability
+    ("dream", dict(alg="maskgit_plus", top_p=0.9)),                   # filtered distribution
+    ("dream", dict(alg="maskgit_plus", temperature=0.5, seed=2)),
+]
+
+
+@pytest.mark.parametrize("arch,kw", SCORE_CASES, ids=[f"{a}-{sorted(k)}" for a, k in SCORE_CASES])
+def test_d2cache_confidence_is_max_prob_whether_reused_or_not(request, arch, kw):
+    """d²Cache's cached confidence is the max probability with only the mask token
+    suppressed, whether it reused the reveal's scores or had to score the rows itself."""
+    model = request.getfixturevalue(arch)
+    shift = 1 if model.config.logit_shift else 0
+    checked = []
+
+    class Check(D2Cache):
+        def on_step_end(self, state, commit):
+            super().on_step_end(state, commit)
+            rows, logits = state.last_plan.logits_idx, state.last_logits.double().clone()
+            logits[..., state.mask_id] = float("-inf")
+            want = logits.softmax(-1).amax(-1)
+            b, p = (rows >= 0).nonzero(as_tuple=True)
+            got = self._conf[b, rows[b, p] + shift].double()
+            assert torch.allclose(got, want[b, p], rtol=0, atol=1e-5)
+            checked.append(len(b))
+
+    dllm_ops.generate(model, PROMPT, policy=Check(current_k=4), gen_length=32, block_length=32, steps=16,
+                      stop_at_eos=False, **kw)
+    assert len(checked) > 1 and sum(checked) > 32
