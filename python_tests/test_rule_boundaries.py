@@ -103,3 +103,76 @@ def test_d2cache_stage1_takes_in_block_masks_first_and_nothing_past_the_window()
     state = SimpleNamespace(gen_start=gs, block_length=bl, block_start=gs, block_end=gs + bl)
     chosen = policy._stage1(state, masked)
     assert torch.nonzero(chosen[0]).flatten().tolist() == [gs + 7, gs + 10, gs + 12]
+
+
+def test_d2cache_confidence_cache_is_the_max_probability_whatever_the_rule_ranks_by(tmp_path):
+    """d²Cache caches each predicted mask's largest softmax probability (mask token
+    excluded), also when the reveal rule ranks by something else (Dream's
+    ``topk_margin`` ranks by p(1) - p(2)): the loop's scores are reused only
+    when they are that probability. Mutation ``d2cache-reuses-only-max-prob-scores``."""
+    import pytest
+
+    pytest.importorskip("safetensors")
+    pytest.importorskip("transformers")
+    import dllm_ops
+    from dllm_ops.models import load
+    from dllm_ops.policies import D2Cache
+    from tiny_ckpt import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "dream", seed=4)
+    model = load(str(tmp_path), dtype=torch.float32, device="cpu")
+    shift = 1 if model.config.logit_shift else 0
+    checked = []
+
+    class Checked(D2Cache):
+        def _refresh_confidence(self, state, plan, logits):
+            super()._refresh_confidence(state, plan, logits)
+            rows = plan.logits_idx
+            B, P, V = logits.shape
+            _, want = reference.token_confidence(logits.reshape(B * P, V).float(), "prob", 0.0,
+                                                 torch.tensor([state.mask_id]))
+            want = want.view(B, P)
+            for b, p in (rows >= 0).nonzero().tolist():
+                got = float(self._conf[b, int(rows[b, p]) + shift])
+                assert abs(got - float(want[b, p])) <= 1e-5 * max(1.0, float(want[b, p]))
+                checked.append((b, p))
+
+    dllm_ops.generate(model, [5, 9, 11, 30, 7, 8], policy=Checked(current_k=3, rollout_p=0.2, sigma=4.0),
+                      gen_length=16, block_length=16, steps=16, alg="topk_margin", stop_at_eos=False)
+    assert len(checked) > 16
+
+
+def test_d2cache_commits_only_masks_the_call_predicted_when_the_quota_exceeds_them(tmp_path):
+    """A masked token that a d²Cache call did not run has no logits of that call
+    and is not its candidate, also when the top-k quota (4 per call here) is
+    larger than the masks Stage 1 ran (current_k = 2): the call then commits
+    fewer. Mutation ``d2cache-only-fresh-masks-are-candidates``."""
+    import pytest
+
+    pytest.importorskip("safetensors")
+    pytest.importorskip("transformers")
+    import dllm_ops
+    from dllm_ops.models import load
+    from dllm_ops.policies import D2Cache
+    from tiny_ckpt import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "llada", seed=3)
+    model = load(str(tmp_path), dtype=torch.float32, device="cpu")
+    runs, commits = [], []
+
+    class Recording(D2Cache):
+        def _remember(self, state, run):
+            plan = super()._remember(state, run)
+            runs.append(set(int(i) for i in plan.idx[0] if i >= 0))
+            return plan
+
+        def on_step_end(self, state, commit):
+            commits.append(set(commit[0].nonzero()[:, 0].tolist()))
+            super().on_step_end(state, commit)
+
+    out = dllm_ops.generate(model, [5, 9, 11, 30, 7, 8], policy=Recording(current_k=2, rollout_p=0.1, sigma=4.0),
+                            gen_length=16, block_length=16, steps=4, unmask="topk", stop_at_eos=False)
+    assert model.config.mask_id not in out.tokens[0].tolist()
+    assert len(commits) == len(runs) > 4            # fewer than 4 commits per call after the first
+    for call, (ran, committed) in enumerate(zip(runs, commits)):
+        assert committed <= ran, call
