@@ -10,14 +10,17 @@ tree: each run syncs the tracked and untracked-not-ignored files into
 ``build/mutate/<lane>/`` (kept between runs, so C++ builds there are
 incremental) and mutates only that copy.
 
-Two lanes run side by side, each on its own copy:
+Two lanes run side by side, each on its own copy (docs/mutations.md):
 - ``py``: mutations caught by pytest node ids. The copy gets the working
   tree's built extension (``dllm_ops/_C*.so``; ``make build`` first), so a
   Python mutation costs one pytest start and its tests;
 - ``cpp``: mutations caught by ctest's torch-free targets (``sim_kernels``,
   the CUDA kernels on the CUDA simulator against host loops; ``dllm_math``),
-  configured once with CMake and rebuilt incrementally: one translation unit
-  per mutation, no torch headers (~20 s).
+  configured once with CMake at -O0 and rebuilt incrementally: one
+  translation unit per mutation, no torch headers (~5-10 s); and the
+  ``rebuild="<family>"`` mutations: a CPU-only op library built once in the
+  copy, relinked with the mutated ``csrc/cpu/<family>.cpp``, under the
+  ``[cpu]`` pytest node ids (~15 s).
 
 Results: ``caught`` (the selected tests fail), ``SURVIVED`` (they pass: a
 missing test), ``NOT APPLIED`` (the snippet does not occur exactly once in the
@@ -30,6 +33,7 @@ caught; the exit status is 0 only when every mutation selected is caught.
     python tools/mutate.py               # every mutation (make mutate)
     python tools/mutate.py --fast        # the CI subset (make mutate-fast)
     python tools/mutate.py --only NAME   # one or more by name (repeatable)
+    python tools/mutate.py --lane cpp    # only the C++ (or py: Python) mutations
     python tools/mutate.py --list        # the list, no runs
 """
 from __future__ import annotations

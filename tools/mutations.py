@@ -194,7 +194,7 @@ MUTATIONS = [
              "out[i] = c[i] & (static_cast<double>(static_cast<float>(s[i])) >= threshold);",
              "out[i] = c[i] & (static_cast<double>(static_cast<float>(s[i])) > threshold);",
              (T_SELECT + "test_select_transfer_matches_reference[cpu-dtype0]",),
-             "threshold rule (CPU kernel): a score equal to tau commits", rebuild="select"),
+             "threshold rule (CPU kernel): a score equal to tau commits", rebuild="select", fast=True),
     Mutation("transfer-threshold-keeps-argmax-cpu",
              "csrc/cpu/select.cpp",
              "out[math::key_index(*std::min_element(first, last))] = true;",
