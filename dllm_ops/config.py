@@ -357,6 +357,8 @@ class StorageConfig(_Section):
                 raise _bad(f"{w}.table", None, "a policy table (a path or its JSON object) for 'kvq'")
             if hasattr(self.table, "__fspath__"):
                 _set(self, "table", str(self.table.__fspath__()))
+            elif hasattr(self.table, "to_json"):   # a PolicyTable: stored as its JSON object
+                _set(self, "table", self.table.to_json())
             if not isinstance(self.table, (str, dict)):
                 raise _bad(f"{w}.table", self.table, "a path or a JSON object")
 
