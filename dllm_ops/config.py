@@ -41,7 +41,9 @@ import math
 import numbers
 from dataclasses import MISSING, dataclass, field, fields, replace
 
+from . import options
 from .errors import ConfigError
+from .options import parse_value
 
 LLADA_UNMASK = ("topk", "threshold", "factor")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
@@ -493,16 +495,6 @@ def merge(base: DecodeConfig, tree: dict) -> DecodeConfig:
     return DecodeConfig.from_dict(out)
 
 
-def parse_value(text):
-    """A text value as JSON when it is JSON (``0.9``, ``true``, ``null``), else the text itself."""
-    if not isinstance(text, str):
-        return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def settings_tree(settings: dict) -> dict:
     """``{"cache.method": "dual", "d2cache.rollout_p": "0.2", ...}`` -> a partial DecodeConfig
     dict. Keys are dotted paths of the configuration or generate()'s keyword names
@@ -565,16 +557,16 @@ def config_from_settings(settings: dict | list, base: DecodeConfig | None = None
 
 
 def parse_pairs(pairs: list[str]) -> dict:
-    """``["cache=dual", "threshold=0.9"]`` -> ``{"cache": "dual", "threshold": "0.9"}``."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"setting {pair!r} is not KEY=VALUE")
-        if key.strip() in out:
-            raise ConfigError(f"{key.strip()!r} is given twice")
-        out[key.strip()] = value.strip()
-    return out
+    """``["cache=dual", "threshold=0.9"]`` -> ``{"cache": "dual", "threshold": 0.9}``
+    (dllm_ops.options' parser; a key given twice is refused)."""
+    keys = [p.partition("=")[0].strip() for p in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"{twice[0]!r} is given twice")
+    try:
+        return options.parse_pairs(pairs)
+    except options.OptionError as e:
+        raise ConfigError(str(e).removeprefix("dllm_ops: ")) from None
 
 
 # ---- the bench's short mode strings ---------------------------------------------------
