@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .errors import DecodeError
 from .layer_timer import LayerTimer  # noqa: F401  (decode.py's import; moves with the loop's rewrite)
 from .models.transformer import (apply_rotary, attend_and_project, full_attention, row_mask,
                                  rows_of)
@@ -66,9 +67,7 @@ DRIFT_FLOOR = 1e-5
 _OPTION_KEYS = ("rho", "tau", "phi_max")
 
 
-def _err(msg: str) -> ValueError:
-    # decode.DecodeError subclasses ValueError; imported lazily to avoid a cycle.
-    from .decode import DecodeError
+def _err(msg: str) -> DecodeError:
     return DecodeError(f"dllm_ops.generate: {msg}")
 
 

@@ -31,15 +31,12 @@ import torch
 from . import ops
 from .models import DiffusionLM
 from .plan import KVCache, StepPlan, mask_to_idx
+from .errors import DecodeError
 from .dare import DareReuse, LayerTimer, make_dare
 from .policies import Policy, make_policy
 from .quant.reuse import quantized_policy
 from .reveal import DREAM_ALGS, LLADA_RULES, CertaintyPrior, RevealCall, RevealRule, reveal_rule
 from .reveal import dream_quota, quota_schedule  # noqa: F401  (re-exported)
-
-
-class DecodeError(ValueError):
-    pass
 
 
 @dataclass

@@ -23,3 +23,8 @@ class DllmOpsError(ValueError):
 class ConfigError(DllmOpsError):
     """A decode configuration (dllm_ops.config) with a bad field, value or key."""
     api = "dllm_ops config"
+
+
+class DecodeError(DllmOpsError):
+    """Options or inputs ``generate`` cannot decode with."""
+    api = "dllm_ops.generate"
