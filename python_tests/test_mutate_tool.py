@@ -132,13 +132,19 @@ MUTATIONS = [
 """
 
 
-def test_end_to_end_on_a_toy_repository(tmp_path, capsys):
+def _toy_repository(tmp_path):
+    """A git repository holding the toy code, its tests and its mutation list."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "calc.py").write_text(TOY_CODE)
     (repo / "test_calc.py").write_text(TOY_TEST)
     (repo / "mutations.py").write_text(TOY_LIST)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    return repo
+
+
+def test_end_to_end_on_a_toy_repository(tmp_path, capsys):
+    repo = _toy_repository(tmp_path)
     rc = mutate.main(["--root", str(repo), "--mutations", str(repo / "mutations.py"),
                       "--scratch", str(tmp_path / "scratch"), "--python", sys.executable,
                       "--timeout", "120", "--table", str(tmp_path / "table.md")])
@@ -160,12 +166,7 @@ def test_end_to_end_on_a_toy_repository(tmp_path, capsys):
 
 
 def test_only_the_fast_subset_or_named_mutations_run(tmp_path, capsys):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    (repo / "calc.py").write_text(TOY_CODE)
-    (repo / "test_calc.py").write_text(TOY_TEST)
-    (repo / "mutations.py").write_text(TOY_LIST)
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    repo = _toy_repository(tmp_path)
     rc = mutate.main(["--root", str(repo), "--mutations", str(repo / "mutations.py"),
                       "--scratch", str(tmp_path / "scratch"), "--python", sys.executable,
                       "--only", "ge-at-tau"])
