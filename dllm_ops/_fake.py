@@ -5,7 +5,7 @@ FakeTensorMode can trace through the ops without running them.
 """
 import torch
 
-from .quant.packed import empty_packed, packed_k_layout, packed_v_layout
+from .packed_layout import empty_packed, packed_k_layout, packed_v_layout
 
 
 @torch.library.register_fake("dllm::cosine_drift")
@@ -114,7 +114,7 @@ def _scatter_rows_fake(dst, src, idx):
 # ---- family: quant -------------------------------------------------------------
 
 
-# The packed tensors' shapes and dtypes: dllm_ops/quant/packed.py states them.
+# The packed tensors' shapes and dtypes: dllm_ops/packed_layout.py states them.
 
 
 @torch.library.register_fake("dllm::quantize_k")

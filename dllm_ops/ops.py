@@ -415,11 +415,11 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> Non
 
 
 # ---- family: quant ------------------------------------------------------------
-# dLLM-KVQ packed KV cache. Layouts and numerics: dllm_ops/quant/packed.py. On
+# dLLM-KVQ packed KV cache. Layouts and numerics: dllm_ops/packed_layout.py. On
 # CUDA each op reads one 4-byte status word back (one device sync per call) to
 # report data-dependent errors.
 
-from .quant.packed import PackedK, PackedV  # noqa: E402
+from .packed_layout import PackedK, PackedV  # noqa: E402
 
 
 def quantize_k(k: torch.Tensor, bits: int = 4, group: int = 32, protect_p: int = 0,
