@@ -51,24 +51,18 @@ past the drift score) is silent:
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
 from . import ops
-from .errors import DecodeError
-from .layer_timer import LayerTimer  # noqa: F401  (decode.py's import; moves with the loop's rewrite)
+from .config import ReuseConfig
+from .stats import DareStats
 from .models.transformer import (apply_rotary, attend_and_project, full_attention, row_mask,
                                  rows_of)
 from .plan import mask_to_idx
 
 DRIFT_FLOOR = 1e-5
-_OPTION_KEYS = ("rho", "tau", "phi_max")
-
-
-def _err(msg: str) -> DecodeError:
-    return DecodeError(f"dllm_ops.generate: {msg}")
 
 
 def allocate_reuse(rho: float, redundancy: list[float], phi_max: float) -> list[float]:
@@ -244,22 +238,22 @@ class DareReuse:
         return (2 * c.hidden_size * c.head_dim * (c.n_heads - 1) + 4 * key_len * c.n_heads * c.head_dim
                 + 2 * c.n_heads * c.head_dim * c.hidden_size)
 
-    def stats(self) -> dict:
+    def stats(self) -> DareStats:
         """Shares of (layer, token) activations reused, overall and per layer.
 
         ``dare_reuse_share`` counts the reuse-eligible calls (every call but the
         block starts); ``dare_reuse_share_all_calls`` counts every call.
         """
         ran, reused, ran_all = sum(self.ran), sum(self.reused), sum(self.ran_all)
-        s = dict(dare=self.mode, dare_rho=self.rho, dare_tau=self.tau, dare_phi_max=self.phi_max,
-                 dare_reuse_share=reused / ran if ran else 0.0,
-                 dare_reuse_share_all_calls=reused / ran_all if ran_all else 0.0,
-                 dare_reuse_share_per_layer=[r / n if n else 0.0 for r, n in zip(self.reused, self.ran)],
-                 dare_activations_run=ran, dare_activations_reused=reused,
-                 dare_reused_with_zero_drift_per_layer=[z / r if r else 0.0
-                                                        for z, r in zip(self.reused_still, self.reused)],
-                 dare_flops_saved=self.flops_saved)
-        return s
+        return DareStats(
+            mode=self.mode, rho=self.rho, tau=self.tau, phi_max=self.phi_max,
+            reuse_share=reused / ran if ran else 0.0,
+            reuse_share_all_calls=reused / ran_all if ran_all else 0.0,
+            reuse_share_per_layer=[r / n if n else 0.0 for r, n in zip(self.reused, self.ran)],
+            activations_run=ran, activations_reused=reused,
+            reused_with_zero_drift_per_layer=[z / r if r else 0.0
+                                              for z, r in zip(self.reused_still, self.reused)],
+            flops_saved=self.flops_saved)
 
 
 class DareKV(DareReuse):
@@ -349,35 +343,9 @@ class DareO(DareReuse):
 DARE_RULES = {"kv": DareKV, "o": DareO}
 
 
-def make_dare(dare: str | None, dare_opts: dict | None, config) -> DareReuse | None:
-    """Validate ``generate``'s ``dare=`` / ``dare_opts=`` and build the rule (None: no DARE)."""
-    if dare is None:
-        if dare_opts:
-            raise _err("dare_opts given without dare='kv' or 'o'")
+def make_dare(reuse: ReuseConfig, config) -> DareReuse | None:
+    """The per-layer reuse rule of a (validated) ReuseConfig for a model of
+    ``config`` (None: method "none", every running row recomputes)."""
+    if reuse.method == "none":
         return None
-    if dare not in DARE_RULES:
-        raise _err(f"unknown dare {dare!r}; choose from {list(DARE_RULES)}")
-    opts = dict(dare_opts or {})
-    bad = sorted(set(opts) - set(_OPTION_KEYS))
-    if bad:
-        raise _err(f"unknown dare_opts key(s) {bad}; choose from {list(_OPTION_KEYS)}")
-    rho, tau, phi_max = opts.get("rho"), opts.get("tau"), opts.get("phi_max")
-    if (rho is None) == (tau is None):
-        raise _err("dare_opts needs exactly one of rho (target reuse fraction) or tau (drift threshold)")
-    if rho is not None:
-        rho = float(rho)
-        if not (0.0 <= rho < 1.0):
-            raise _err(f"dare_opts rho ({rho}) must be in [0, 1)")
-        if phi_max is not None:
-            phi_max = float(phi_max)
-            if not (phi_max >= rho):
-                raise _err(f"dare_opts phi_max ({phi_max}) must be >= rho ({rho})")
-            if not phi_max < 1.0:
-                raise _err(f"dare_opts phi_max ({phi_max}) must be < 1")
-    else:
-        tau = float(tau)
-        if math.isnan(tau) or tau < 0:
-            raise _err(f"dare_opts tau ({tau}) must be >= 0")
-        if phi_max is not None:
-            raise _err("dare_opts phi_max applies to rho mode only")
-    return DARE_RULES[dare](config, rho=rho, tau=tau, phi_max=phi_max)
+    return DARE_RULES[reuse.method](config, rho=reuse.rho, tau=reuse.tau, phi_max=reuse.phi_max)

@@ -22,10 +22,15 @@ class StepPlan:
                 a row that runs fewer tokens. Must be unique within a row.
     logits_idx: ``[B, P]`` int64 positions whose logits are returned (−1 pads);
                 each must appear in the same row of ``idx``.
+    partial_logits: the call may commit only the masked candidates it returns
+                logits for; the loop drops the others from the call's candidates
+                instead of failing (d²Cache runs only some masks; the rest have
+                no fresh logits).
     """
 
     idx: torch.Tensor
     logits_idx: torch.Tensor
+    partial_logits: bool = False
 
     @property
     def n_tokens(self) -> int:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .config import RevealConfig, ShapeConfig
+from .errors import DecodeError
 
 
 def quota_schedule(n: int, steps: int) -> list[int]:
@@ -80,7 +82,7 @@ class RevealRule:
     draws_uniform = False
 
     def check(self, block_length: int, steps_per_block: int) -> None:
-        """Raise ValueError if the rule cannot run this block / step geometry."""
+        """Raise DecodeError if the rule cannot run this block / step geometry."""
 
     def start_block(self, cand: torch.Tensor) -> None:
         """Called before the first call of each block with its ``[B, n]`` candidates."""
@@ -115,7 +117,7 @@ class CertaintyPrior(RevealRule):
 
     def __init__(self, inner: RevealRule, sigma: float):
         if inner.mode == "neg_entropy":
-            raise ValueError(f"sigma (certainty prior) needs a score >= 0; {inner.name!r} ranks by "
+            raise DecodeError(f"sigma (certainty prior) needs a score >= 0; {inner.name!r} ranks by "
                              f"negative entropy (<= 0), which the product would invert: use Dream's "
                              f"alg 'maskgit_plus', 'topk_margin' or 'confidence_threshold'")
         self.inner, self.sigma = inner, float(sigma)
@@ -270,7 +272,7 @@ class DreamThresholdCarry(RevealRule):
 
     def check(self, block_length, steps_per_block):
         if block_length % steps_per_block:
-            raise ValueError(f"Dream's confidence_threshold needs the block's masks ({block_length}) "
+            raise DecodeError(f"Dream's confidence_threshold needs the block's masks ({block_length}) "
                              f"divisible by its steps ({steps_per_block})")
 
     def start_block(self, cand):
@@ -337,9 +339,9 @@ def reveal_rule(arch: str, name: str, *, dream_own_loop: bool, steps_per_block: 
             return Threshold(threshold)
         if name == "factor":
             return Factor(factor)
-        raise ValueError(f"unknown unmask {name!r}; choose from {list(LLADA_RULES)}")
+        raise DecodeError(f"unknown unmask {name!r}; choose from {list(LLADA_RULES)}")
     if name not in DREAM_ALGS:
-        raise ValueError(f"unknown Dream alg {name!r}; choose from {sorted(DREAM_ALGS)}")
+        raise DecodeError(f"unknown Dream alg {name!r}; choose from {sorted(DREAM_ALGS)}")
     mode = DREAM_ALGS[name]
     if dream_own_loop:
         if name == "origin":
@@ -348,7 +350,42 @@ def reveal_rule(arch: str, name: str, *, dream_own_loop: bool, steps_per_block: 
             return DreamThresholdCarry(threshold, steps_per_block)
         return DreamTimestepTopK(mode, steps_per_block, alg_temp, generators)
     if name == "origin":
-        raise ValueError("Dream's alg 'origin' exists only in its own loop (cache='none')")
+        raise DecodeError("Dream's alg 'origin' exists only in its own loop (cache='none')")
     if name == "confidence_threshold":
         return DreamBlockStart(Threshold(threshold))
     return DreamBlockStart(DreamBlockTopK(mode, steps_per_block, alg_temp, generators))
+
+
+def check_sampling(arch: str, reveal: RevealConfig) -> None:
+    """Dream's sampling options (top_p, top_k, alg_temp) on a LLaDA model are an error."""
+    if arch == "dream":
+        return
+    given = [k for k in ("top_p", "top_k", "alg_temp") if getattr(reveal, k) is not None]
+    if given:
+        raise DecodeError(f"{', '.join(given)} are Dream sampling options; LLaDA's generate has none")
+
+
+def build_reveal(arch: str, reveal: RevealConfig, shape: ShapeConfig, cache_method: str,
+                 generators) -> RevealRule:
+    """The reveal rule of ``reveal`` on a model of ``arch``, checked against the
+    block geometry of ``shape``. Dream without a cache (``cache_method`` "none")
+    runs its own diffusion_generate schedule; with one, Fast-dLLM's block loop."""
+    check_sampling(arch, reveal)
+    if arch == "dream":
+        name = reveal.alg or "entropy"
+        own_loop = cache_method == "none"
+        needs_steps = f"Dream's alg {name!r}" if own_loop or name != "confidence_threshold" else None
+    else:
+        name, own_loop = reveal.unmask, False
+        needs_steps = "unmask='topk'" if name == "topk" else None
+    steps, nb = shape.total_steps, shape.num_blocks
+    if needs_steps and steps % nb:
+        raise DecodeError(f"steps ({steps}) must be a positive multiple of the number of blocks "
+                          f"({nb}) for {needs_steps}")
+    rule = reveal_rule(arch, name, dream_own_loop=own_loop, steps_per_block=steps // nb,
+                       threshold=reveal.threshold, factor=reveal.factor, alg_temp=reveal.alg_temp,
+                       generators=generators)
+    if reveal.prior_sigma:
+        rule = CertaintyPrior(rule, reveal.prior_sigma)
+    rule.check(shape.block_length, steps // nb)
+    return rule

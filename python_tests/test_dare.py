@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 import torch
 
 import dllm_ops
+from dllm_ops.config import ReuseConfig
 from dllm_ops.dare import DRIFT_FLOOR, allocate_reuse, make_dare
 from dllm_ops.decode import DecodeError
 from dllm_ops.models import load
@@ -52,7 +53,7 @@ def _kw(arch):
 
 def _run(model, prompts, cache, dare, opts, **kw):
     """generate with a DareReuse whose decision log we keep."""
-    rule = make_dare(dare, opts, model.config)
+    rule = make_dare(ReuseConfig(method=dare, **opts), model.config)
     rule.log = []
     out = dllm_ops.generate(model, prompts, cache=cache, dare=rule, **kw)
     return out, rule
@@ -172,7 +173,7 @@ def test_reused_rows_are_not_computed(ckpts, dare):
     x[:, 12:] = c.mask_id
     valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
     cache = model.new_cache(valid)
-    rule = make_dare(dare, dict(rho=0.5), c)
+    rule = make_dare(ReuseConfig(method=dare, rho=0.5), c)
     rule.log = []
     rule.begin_call(True)
     model.step(x, StepPlan.from_mask(valid, valid), cache, reuse=rule)
@@ -205,7 +206,7 @@ def test_dare_o_attention_rows_of_reused_tokens_are_marked(ckpts):
     x[:, 10:] = c.mask_id
     valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
     cache = model.new_cache(valid)
-    rule = make_dare("o", dict(rho=0.5), c)
+    rule = make_dare(ReuseConfig(method="o", rho=0.5), c)
     rule.log = []
     rule.begin_call(True)
     model.step(x, StepPlan.from_mask(valid, valid), cache, reuse=rule)

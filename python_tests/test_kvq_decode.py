@@ -21,7 +21,6 @@ from dllm_ops.plan import KVCache, StepPlan
 from dllm_ops.policies import make_policy
 from dllm_ops.quant.cache import QuantKVCache
 from dllm_ops.quant.policy_table import PolicyTable, make_table
-from dllm_ops.quant.reuse import quantized_policy
 from ref_kvq import forward, qdq_k, qdq_v, importance_of, ref_generate_kvq
 from ref_model import load_original
 from tiny_ckpt import make_checkpoint
@@ -300,7 +299,6 @@ def test_plan_that_recomputes_reused_tokens_is_refused(llada):
         def plan(self, state):
             return state.plan_for(state.valid_and_active())
 
-    pol = quantized_policy(model, EveryToken(), dict(bits=2, method="kivi"))
     with pytest.raises(ValueError, match="packed reused region"):
-        dllm_ops.generate(model, PROMPTS[1], policy=pol, gen_length=16, block_length=8,
-                          unmask="topk", steps=16)
+        dllm_ops.generate(model, PROMPTS[1], policy=EveryToken(), gen_length=16, block_length=8,
+                          unmask="topk", steps=16, kv_quant=dict(bits=2, method="kivi"))

@@ -464,9 +464,9 @@ MUTATIONS = [
 
     # ==== Python: dLLM-KVQ storage, calibration and TRACE ===========================
     Mutation("kvq-block-start-repacks",
-             "dllm_ops/quant/reuse.py",
-             "        state.cache.begin_block(state.block_start, state.block_end)\n",
-             "",
+             "dllm_ops/quant/storage.py",
+             "        cache.begin_block(block_start, block_end)\n",
+             "        pass\n",
              (T_KVQ + "test_quantized_decode_equals_qdq_reference[cpu-kivi4-dual-llada]",),
              "cache refresh: each block start re-packs the reused region (packed caches)"),
     Mutation("kvq-importance-product",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import CACHE_METHODS, CacheConfig
 from ..plan import StepPlan
 
 
@@ -31,3 +32,8 @@ class Policy:
 
     def on_step_end(self, state, commit: torch.Tensor) -> None:
         """`commit` is the ``[B, T]`` bool mask of positions revealed this step."""
+
+    def cache_config(self) -> CacheConfig | None:
+        """This policy as a DecodeConfig's ``cache`` section (None: a policy the
+        configuration cannot name, e.g. a test's or a new method's)."""
+        return CacheConfig(method=self.name) if self.name in CACHE_METHODS else None

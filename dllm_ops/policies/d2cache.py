@@ -28,7 +28,7 @@ Differences from the reference code (Kamichanw/d2Cache at 72feb60,
 - **Only fresh tokens are candidates.** In the reference, masked tokens that
   did not run get logits of zero (confidence ≈ 1/V) and can still be
   committed. Here a masked token whose logits this call did not compute is
-  not a candidate of this call (the plan is a ``FreshLogitsPlan``, and the
+  not a candidate of this call (the plan says ``partial_logits``, and the
   loop drops such tokens from the call's candidates). Stage 1 always picks at least one masked token of
   the current block first, so every call that runs has a candidate.
 - **Selection made at the start of each call, for that call's block.** The
@@ -47,6 +47,16 @@ Differences from the reference code (Kamichanw/d2Cache at 72feb60,
   here masked tokens are stage 1's, so ``current_k`` bounds them). Dream's
   "last prompt token runs when the first mask is chosen" is added to the
   selection; the reference assigns it, which can drop a rollout pick.
+- **Stage-1 window from the real block.** The reference's
+  ``check_can_generate`` ANDs the caller's ``block_mask`` in place, so the
+  "block size" its stage-1 search window is built from shrinks, call by call,
+  to the number of masks left in the block. Its own comment says the window
+  ends at the block that holds the ``current_k``-th mask; here the window is
+  built from the real block length, as that comment intends.
+
+The constructor's ``sigma`` is the certainty density's width
+(``cache.d2cache.density_sigma`` of a DecodeConfig); it is not the reveal's
+certainty prior (``reveal.prior_sigma``).
 
 Choices where the sources are silent:
 
@@ -71,53 +81,32 @@ Choices where the sources are silent:
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from .. import ops
+from ..config import CacheConfig, D2CacheConfig
 from ..plan import StepPlan, mask_to_idx
 from .base import Policy
-
-DEFAULTS = dict(rollout_p=0.1, current_k=32, sigma=10.0)
-
-
-@dataclass
-class FreshLogitsPlan(StepPlan):
-    """A StepPlan whose call may commit only the masked tokens it returns logits for:
-    the loop drops every other masked token from the call's candidates instead of
-    failing (d²Cache runs only some masks; the others have no fresh logits)."""
-    partial_logits = True  # a class attribute the loop reads, not a field
-
-
-def check_options(rollout_p, current_k, sigma) -> None:
-    """Raise ValueError naming the bad d2cache option."""
-    if isinstance(rollout_p, bool) or not isinstance(rollout_p, (int, float)) \
-            or not (0.0 < rollout_p <= 1.0):
-        raise ValueError(f"dllm_ops.generate: d2cache rollout_p must be in (0, 1], got {rollout_p!r}")
-    if isinstance(current_k, bool) or not isinstance(current_k, int) or current_k < 1:
-        raise ValueError(f"dllm_ops.generate: d2cache current_k must be an integer >= 1, got {current_k!r}")
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) \
-            or sigma <= 0:
-        raise ValueError(f"dllm_ops.generate: d2cache sigma must be a finite number > 0, got {sigma!r}")
-
 
 class D2Cache(Policy):
     """d²Cache's two-stage selective recompute (see the module docstring)."""
     name = "d2cache"
     wants_probs = True
 
-    def __init__(self, rollout_p: float = DEFAULTS["rollout_p"], current_k: int = DEFAULTS["current_k"],
-                 sigma: float = DEFAULTS["sigma"], sync_timing: bool = False):
-        check_options(rollout_p, current_k, sigma)
-        self.rollout_p = float(rollout_p)
-        self.current_k = int(current_k)
-        self.sigma = float(sigma)
+    def __init__(self, rollout_p: float = D2CacheConfig.rollout_p,
+                 current_k: int = D2CacheConfig.current_k,
+                 sigma: float = D2CacheConfig.density_sigma, sync_timing: bool = False):
+        opts = D2CacheConfig(rollout_p=rollout_p, current_k=current_k, density_sigma=sigma)
+        self.rollout_p, self.current_k, self.sigma = opts.rollout_p, opts.current_k, opts.density_sigma
         self.sync_timing = sync_timing
         self._state = None
         self.selection_s = 0.0
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(method=self.name, d2cache=D2CacheConfig(
+            rollout_p=self.rollout_p, current_k=self.current_k, density_sigma=self.sigma))
 
     # -- the loop's hooks ---------------------------------------------------
     def on_block_start(self, state) -> StepPlan:
@@ -146,7 +135,7 @@ class D2Cache(Policy):
         probs = state.cache.probs
         # The rows each layer attended with (a per-layer reuse rule may drop
         # some: model.step records them in cache.probs_idx); else the plan's.
-        rows = getattr(state.cache, "probs_idx", None)
+        rows = state.cache.probs_idx
         row_idx = (torch.stack(rows) if rows and len(rows) == len(probs)
                    else plan.idx.unsqueeze(0).expand(len(probs), *plan.idx.shape))
         g = ops.rollout_scores(torch.stack(probs), row_idx, state.cache.key_valid)
@@ -167,7 +156,7 @@ class D2Cache(Policy):
     def _remember(self, state, run: torch.Tensor) -> StepPlan:
         """The plan running `run`, returning logits for every masked token it predicts."""
         predicts = self._shift_to_predictor(state, state.masked() & state.valid_and_active())
-        self._plan = FreshLogitsPlan(mask_to_idx(run), mask_to_idx(predicts & run))
+        self._plan = StepPlan(mask_to_idx(run), mask_to_idx(predicts & run), partial_logits=True)
         return self._plan
 
     @staticmethod

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..errors import DecodeError
 from ..plan import KVCache
 from .packed import PackedK, PackedV
 from .policy_table import LayerPolicy
@@ -68,10 +69,10 @@ class QuantKVCache(KVCache):
                  dtype: torch.dtype, device, mode: str, bits: int, group: int,
                  layers: list[LayerPolicy]):
         if mode not in ("prefix", "dual"):
-            raise ValueError(f"dllm_ops.generate: kv_quant needs cache 'prefix' or 'dual', got {mode!r}")
+            raise DecodeError(f"packed storage needs cache 'prefix' or 'dual', got {mode!r}")
         if len(layers) != n_layers:
-            raise ValueError(f"dllm_ops.generate: kv_quant policy has {len(layers)} layers, "
-                             f"the model {n_layers}")
+            raise DecodeError(f"packed storage: the policy has {len(layers)} layers, "
+                              f"the model {n_layers}")
         positions = (key_valid.long().cumsum(1) - 1).clamp_min(0)
         super().__init__(k=[None] * n_layers, v=[None] * n_layers, key_valid=key_valid,
                          positions=positions)
@@ -249,8 +250,9 @@ class QuantKVCache(KVCache):
             torch.finfo(self.dtype).bits // 8
 
     def stats(self) -> dict:
-        return dict(kv_cache_bytes=self.peak_bytes, kv_cache_bytes_bf16=self.bf16_bytes(),
-                    kv_work_bytes=self.work_bytes(),
+        """StorageStats' measured fields (dllm_ops/stats.py)."""
+        return dict(cache_bytes=self.peak_bytes, cache_bytes_bf16=self.bf16_bytes(),
+                    work_bytes=self.work_bytes(),
                     k_bits=self.k_bits_stored / self.k_elems if self.k_elems else float("nan"),
                     v_bits=self.v_bits_stored / self.v_elems if self.v_elems else float("nan"))
 
