@@ -2,9 +2,25 @@
 
 Every error is a ``ValueError`` (callers that caught ``ValueError`` keep
 working) and names the API it came from once, at the front of its message:
-``DllmOpsError("cache.method", ...)`` prints as ``dllm_ops config: ...`` and
-``DecodeOptionError`` as ``dllm_ops.generate: ...``. Sites pass the bare
-sentence; the prefix lives here.
+the class's ``api``. ``ConfigError("cache.method = ...")`` prints as
+``dllm_ops config: cache.method = ...``, ``DecodeError`` as
+``dllm_ops.generate: ...``, ``CheckpointError`` as ``dllm_ops.load: ...``.
+Sites pass the bare sentence; the prefix lives here, and a message that
+already carries it is not prefixed twice.
+
+One class per area (what a caller may want to catch apart):
+
+- :class:`OptionError`: text options (``KEY=VALUE`` pairs, generate option names);
+- :class:`ConfigError`: a decode configuration (``dllm_ops.config``);
+- :class:`DecodeError`: options or inputs ``generate`` cannot decode with;
+- :class:`CheckpointError`: a checkpoint folder, its files, its dtype
+  (``dllm_ops.load``); :class:`ModelConfigError` narrows it to config.json
+  (a missing key, an unknown architecture);
+- :class:`PolicyTableError`: a dLLM-KVQ policy table (its file, its fields,
+  or a model / cache / bits / group it was not made for);
+- :class:`CalibrationError`: the calibration tracer's inputs and artifacts.
+
+This module imports nothing from dllm_ops: every layer may raise these.
 """
 from __future__ import annotations
 
@@ -14,10 +30,22 @@ class DllmOpsError(ValueError):
 
     #: the API the message is prefixed with
     api = "dllm_ops"
+    #: other prefixes a message may already carry from a site that writes its
+    #: own (kept as is, not prefixed again); empty unless a subclass says
+    also_prefixed: tuple[str, ...] = ()
 
     def __init__(self, message: str):
-        prefix = f"{self.api}: "
-        super().__init__(message if message.startswith(prefix) else prefix + message)
+        message = str(message)
+        if not any(message.startswith(f"{p}: ") for p in (self.api, *self.also_prefixed)):
+            message = f"{self.api}: {message}"
+        super().__init__(message)
+
+
+class OptionError(DllmOpsError):
+    """generate() options given as text (``--set``, lm-eval ``model_args``)."""
+    api = "dllm_ops"
+    # lm_eval_model.py words its own argument errors "dllm_ops lm_eval model: ...".
+    also_prefixed = ("dllm_ops lm_eval model",)
 
 
 class ConfigError(DllmOpsError):
@@ -28,3 +56,31 @@ class ConfigError(DllmOpsError):
 class DecodeError(DllmOpsError):
     """Options or inputs ``generate`` cannot decode with."""
     api = "dllm_ops.generate"
+
+
+class CheckpointError(DllmOpsError):
+    """A checkpoint ``dllm_ops.load`` cannot load (or save): no such folder or
+    shipped model, missing / corrupt / unexpected files and tensors, a dtype
+    the kernels do not run in."""
+    api = "dllm_ops.load"
+
+
+class ModelConfigError(CheckpointError):
+    """A checkpoint's config.json lacks a key or names an unknown architecture
+    (``dllm_ops.models.ConfigError`` is this class)."""
+
+
+class PolicyTableError(DllmOpsError):
+    """A dLLM-KVQ policy table that is malformed, partial, or made for another
+    model, cache mode, bit width or group (read when ``generate`` is given it)."""
+    api = "dllm_ops.generate: kv_quant policy"
+
+
+class CalibrationError(DllmOpsError):
+    """The calibration tracer (``python -m dllm_ops.calibrate``): a bad
+    schedule, score matrix, answer or trace artifact."""
+    api = "dllm_ops.calibrate"
+
+
+__all__ = ["DllmOpsError", "OptionError", "ConfigError", "DecodeError", "CheckpointError",
+           "ModelConfigError", "PolicyTableError", "CalibrationError"]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 import json
 
+from .errors import OptionError
+
 # Arguments of generate() that are not options: the model, the inputs, and a
 # policy object (which text cannot name; use cache=...).
 _NOT_OPTIONS = ("model", "tokenizer_or_ids", "prompt", "messages", "policy")
 
-
-class OptionError(ValueError):
-    pass
+__all__ = ["OptionError", "generate_option_names", "parse_value", "parse_pairs",
+           "generate_options"]
 
 
 def generate_option_names() -> list[str]:
@@ -45,7 +46,7 @@ def parse_pairs(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise OptionError(f"dllm_ops: option {pair!r} is not KEY=VALUE")
+            raise OptionError(f"option {pair!r} is not KEY=VALUE")
         out[key.strip()] = parse_value(value.strip())
     return out
 
@@ -58,17 +59,17 @@ def generate_options(options: dict) -> dict:
     for key, value in options.items():
         head, _, sub = key.partition(".")
         if head not in names:
-            raise OptionError(f"dllm_ops: unknown generate option {head!r}; "
+            raise OptionError(f"unknown generate option {head!r}; "
                               f"known: {', '.join(sorted(names))}")
         value = parse_value(value)
         if sub:
             nested = out.setdefault(head, {})
             if not isinstance(nested, dict):
-                raise OptionError(f"dllm_ops: option {head!r} is given both as a value and as "
+                raise OptionError(f"option {head!r} is given both as a value and as "
                                   f"{key!r}")
             nested[sub] = value
         else:
             if head in out:
-                raise OptionError(f"dllm_ops: option {head!r} is given twice")
+                raise OptionError(f"option {head!r} is given twice")
             out[head] = value
     return out

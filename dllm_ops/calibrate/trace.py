@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from ..errors import CalibrationError
+
 FORMAT = "dllm-trace/1"
 
 
@@ -58,11 +60,11 @@ class Schedule:
 
     def __post_init__(self):
         if self.gen_length <= 0 or self.block_length <= 0 or self.gen_length % self.block_length:
-            raise ValueError(f"dllm_ops.calibrate: gen_length {self.gen_length} must be a positive "
-                             f"multiple of block_length {self.block_length}")
+            raise CalibrationError(f"gen_length {self.gen_length} must be a positive multiple "
+                                   f"of block_length {self.block_length}")
         if not 1 <= self.steps_per_block <= self.block_length:
-            raise ValueError(f"dllm_ops.calibrate: steps_per_block must be in [1, {self.block_length}], "
-                             f"got {self.steps_per_block}")
+            raise CalibrationError(f"steps_per_block must be in [1, {self.block_length}], got "
+                                   f"{self.steps_per_block}")
 
     @property
     def n_blocks(self) -> int:
@@ -109,10 +111,10 @@ def solve(scores: np.ndarray, schedule: Schedule) -> list[int]:
     """
     n = schedule.gen_length
     if scores.shape != (n, schedule.n_steps):
-        raise ValueError(f"dllm_ops.calibrate: scores shape {scores.shape}, expected {(n, schedule.n_steps)}")
+        raise CalibrationError(f"scores shape {scores.shape}, expected {(n, schedule.n_steps)}")
     if not np.isfinite(scores[[i for i in range(n) for _ in schedule.window(i)],
                               [t for i in range(n) for t in schedule.window(i)]]).all():
-        raise ValueError("dllm_ops.calibrate: non-finite score at a legal (token, step) pair")
+        raise CalibrationError("non-finite score at a legal (token, step) pair")
     slot_step = np.repeat(np.arange(schedule.n_steps), schedule.budgets())      # [n]
     cost = np.full((n, n), np.inf)
     for i in range(n):
@@ -188,8 +190,8 @@ def trace(model, prompt: list[int], answer: list[int], schedule: Schedule,
     """Rollout / re-solve rounds from the deterministic initializer.
     ``log_likelihood``: the objective of the returned assignment under its own rollout."""
     if len(answer) != schedule.gen_length:
-        raise ValueError(f"dllm_ops.calibrate: answer of {len(answer)} tokens, expected "
-                         f"{schedule.gen_length} (pad with EOS)")
+        raise CalibrationError(f"answer of {len(answer)} tokens, expected "
+                               f"{schedule.gen_length} (pad with EOS)")
     a = schedule.initial()
     seen, history = [], []          # seen[j] = a_j, history[j] = its objective
     for r in range(1, max_rounds + 1):
@@ -225,7 +227,7 @@ def load_artifact(path: str) -> dict:
         with open(path) as f:
             obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"dllm_ops.calibrate: {path}: not valid JSON (corrupt or partial): {e}") from None
+        raise CalibrationError(f"{path}: not valid JSON (corrupt or partial): {e}") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT or "samples" not in obj:
-        raise ValueError(f"dllm_ops.calibrate: {path}: not a {FORMAT} artifact")
+        raise CalibrationError(f"{path}: not a {FORMAT} artifact")
     return obj

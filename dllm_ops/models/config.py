@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..errors import ModelConfigError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -38,13 +40,14 @@ class ModelConfig:
         return asdict(self)
 
 
-class ConfigError(ValueError):
-    pass
+# A checkpoint's config.json error (a CheckpointError, prefixed "dllm_ops.load: "); not
+# dllm_ops.errors.ConfigError, which is the decode configuration's.
+ConfigError = ModelConfigError
 
 
 def _need(cfg: dict, key: str, path: str):
     if key not in cfg:
-        raise ConfigError(f"dllm_ops.load: {path}: config.json lacks '{key}'")
+        raise ConfigError(f"{path}: config.json lacks '{key}'")
     return cfg[key]
 
 
@@ -78,7 +81,7 @@ def from_hf_config(cfg: dict, path: str = "config.json") -> ModelConfig:
             mask_id=cfg.get("mask_token_id", 151666), eos_id=cfg.get("eos_token_id", 151643),
             pad_id=cfg.get("pad_token_id", 151643), bos_id=cfg.get("bos_token_id"),
         )
-    raise ConfigError(f"dllm_ops.load: {path}: unknown model_type {cfg.get('model_type')!r} "
+    raise ConfigError(f"{path}: unknown model_type {cfg.get('model_type')!r} "
                       "(supported: 'llada', 'Dream')")
 
 

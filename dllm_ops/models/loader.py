@@ -12,12 +12,9 @@ import os
 
 import torch
 
+from ..errors import CheckpointError
 from .config import ModelConfig, from_hf_config, param_names, to_hf_config
 from .transformer import DiffusionLM
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 # The shipped tiny models (dllm_ops/checkpoints/<name>), loadable by name.
@@ -35,7 +32,7 @@ def resolve_checkpoint(name_or_path: str) -> str:
         return path
     if path in SHIPPED_MODELS:
         return os.path.join(CHECKPOINTS_DIR, path)
-    raise CheckpointError(f"dllm_ops.load: {path!r} is neither a checkpoint folder nor a shipped "
+    raise CheckpointError(f"{path!r} is neither a checkpoint folder nor a shipped "
                           f"model ({', '.join(SHIPPED_MODELS)})")
 
 
@@ -46,7 +43,7 @@ def _safe_open(file: str):
     try:
         return safe_open(file, "pt", device="cpu")
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"dllm_ops.load: {file}: not a readable safetensors file ({e})") from e
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
 def _read_tensor(handle, file: str, name: str) -> torch.Tensor:
@@ -54,7 +51,7 @@ def _read_tensor(handle, file: str, name: str) -> torch.Tensor:
     try:
         return handle.get_tensor(name)
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"dllm_ops.load: {file}: tensor {name} could not be read ({e})") from e
+        raise CheckpointError(f"{file}: tensor {name} could not be read ({e})") from e
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -65,13 +62,13 @@ def _weight_files(path: str) -> dict[str, str]:
             with open(index) as f:
                 wm = json.load(f).get("weight_map")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise CheckpointError(f"dllm_ops.load: {index}: not a JSON index ({e})") from None
+            raise CheckpointError(f"{index}: not a JSON index ({e})") from None
         if not isinstance(wm, dict):
-            raise CheckpointError(f"dllm_ops.load: {index}: no 'weight_map'")
+            raise CheckpointError(f"{index}: no 'weight_map'")
         return {k: os.path.join(path, v) for k, v in wm.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise CheckpointError(f"dllm_ops.load: {path}: neither model.safetensors nor "
+        raise CheckpointError(f"{path}: neither model.safetensors nor "
                               "model.safetensors.index.json found")
     with _safe_open(single) as f:
         return {k: single for k in f.keys()}
@@ -82,7 +79,7 @@ def load_tokenizer(path: str):
 
     if not (os.path.exists(os.path.join(path, "tokenizer.json"))
             or os.path.exists(os.path.join(path, "tokenizer_config.json"))):
-        raise CheckpointError(f"dllm_ops.load: {path}: no tokenizer (tokenizer.json / "
+        raise CheckpointError(f"{path}: no tokenizer (tokenizer.json / "
                               "tokenizer_config.json) in the folder")
     from transformers import PretrainedConfig
     try:
@@ -92,7 +89,7 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False,
                                              config=PretrainedConfig())
     except Exception as e:  # transformers raises many types; keep the cause
-        raise CheckpointError(f"dllm_ops.load: {path}: the tokenizer failed to load: {e}") from e
+        raise CheckpointError(f"{path}: the tokenizer failed to load: {e}") from e
 
 
 def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
@@ -103,29 +100,29 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
     ``dtype`` is float32, float16 or bfloat16, the dtypes the kernels run in.
     """
     if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
-        raise CheckpointError(f"dllm_ops.load: dtype {dtype} is not supported; the kernels run in "
+        raise CheckpointError(f"dtype {dtype} is not supported; the kernels run in "
                               f"{', '.join(str(d).replace('torch.', '') for d in MODEL_DTYPES)}")
     path = resolve_checkpoint(path)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        raise CheckpointError(f"dllm_ops.load: {cfg_path} not found")
+        raise CheckpointError(f"{cfg_path} not found")
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"dllm_ops.load: {cfg_path}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"dllm_ops.load: {cfg_path}: not a JSON object")
+        raise CheckpointError(f"{cfg_path}: not a JSON object")
     config = from_hf_config(raw, cfg_path)
     names = param_names(config)
     files = _weight_files(path)
     missing = [n for n in names.values() if n not in files]
     if missing:
-        raise CheckpointError(f"dllm_ops.load: {path}: missing tensors {missing[:5]}"
+        raise CheckpointError(f"{path}: missing tensors {missing[:5]}"
                               f"{' ...' if len(missing) > 5 else ''}")
     extra = sorted(set(files) - set(names.values()))
     if extra:
-        raise CheckpointError(f"dllm_ops.load: {files[extra[0]]}: unexpected tensors {extra[:5]}"
+        raise CheckpointError(f"{files[extra[0]]}: unexpected tensors {extra[:5]}"
                               f"{' ...' if len(extra) > 5 else ''}")
     with torch.device("meta"):
         model = DiffusionLM(config)
@@ -140,7 +137,7 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
                 t = _read_tensor(f, file, names[ours])
                 if tuple(t.shape) != tuple(expected[ours]):
                     raise CheckpointError(
-                        f"dllm_ops.load: {file}: tensor {names[ours]} has shape {tuple(t.shape)}, "
+                        f"{file}: tensor {names[ours]} has shape {tuple(t.shape)}, "
                         f"expected {tuple(expected[ours])} from config.json")
                 state[ours] = t.to(dtype=dtype, device=device)
     model.load_state_dict(state, assign=True)

@@ -33,18 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import PolicyTableError
+
 FORMAT = "dllm-kvq-policy/1"
 SCORES = ("attention", "qerror", "product")
 BUDGETS = (0, 1, 2, 4)
 CACHE_MODES = ("prefix", "dual")
-
-
-class PolicyTableError(ValueError):
-    pass
-
-
-def _err(msg: str) -> PolicyTableError:
-    return PolicyTableError(f"dllm_ops.generate: kv_quant policy: {msg}")
 
 
 def model_fingerprint(model) -> dict:
@@ -95,30 +89,31 @@ class PolicyTable:
     @staticmethod
     def from_json(obj, source: str = "table") -> "PolicyTable":
         if not isinstance(obj, dict):
-            raise _err(f"{source}: expected a JSON object, got {type(obj).__name__}")
+            raise PolicyTableError(f"{source}: expected a JSON object, got {type(obj).__name__}")
         if obj.get("format") != FORMAT:
-            raise _err(f"{source}: format is {obj.get('format')!r}, expected {FORMAT!r}")
+            raise PolicyTableError(f"{source}: format is {obj.get('format')!r}, expected {FORMAT!r}")
         for key in ("model", "fingerprint", "cache", "bits", "group", "layers"):
             if key not in obj:
-                raise _err(f"{source}: missing field {key!r} (a partial table)")
+                raise PolicyTableError(f"{source}: missing field {key!r} (a partial table)")
         if obj["cache"] not in CACHE_MODES:
-            raise _err(f"{source}: cache {obj['cache']!r} is not one of {CACHE_MODES}")
+            raise PolicyTableError(f"{source}: cache {obj['cache']!r} is not one of {CACHE_MODES}")
         if obj["bits"] not in (2, 4):
-            raise _err(f"{source}: bits {obj['bits']!r} is not 2 or 4")
+            raise PolicyTableError(f"{source}: bits {obj['bits']!r} is not 2 or 4")
         if not isinstance(obj["fingerprint"], dict):
-            raise _err(f"{source}: fingerprint must be an object")
+            raise PolicyTableError(f"{source}: fingerprint must be an object")
         layers = obj["layers"]
         if not isinstance(layers, list) or not layers:
-            raise _err(f"{source}: layers must be a non-empty list")
+            raise PolicyTableError(f"{source}: layers must be a non-empty list")
         out = []
         for i, l in enumerate(layers):
             if not isinstance(l, dict) or l.get("score") not in SCORES or l.get("p") not in BUDGETS:
-                raise _err(f"{source}: layer {i} is {l!r}; expected "
-                           f"{{'score': one of {SCORES}, 'p': one of {BUDGETS}}}")
+                raise PolicyTableError(f"{source}: layer {i} is {l!r}; expected "
+                                       f"{{'score': one of {SCORES}, 'p': one of {BUDGETS}}}")
             out.append(LayerPolicy(l["score"], int(l["p"])))
         n = obj["fingerprint"].get("n_layers")
         if n != len(out):
-            raise _err(f"{source}: {len(out)} layers listed but the fingerprint says {n} (a partial table)")
+            raise PolicyTableError(f"{source}: {len(out)} layers listed but the fingerprint says {n} "
+                                   "(a partial table)")
         return PolicyTable(model=str(obj["model"]), fingerprint=dict(obj["fingerprint"]),
                            cache=obj["cache"], bits=int(obj["bits"]), group=int(obj["group"]),
                            layers=out, meta=dict(obj.get("meta") or {}))
@@ -129,26 +124,27 @@ class PolicyTable:
             with open(path) as f:
                 obj = json.load(f)
         except FileNotFoundError:
-            raise _err(f"{path}: no such file") from None
+            raise PolicyTableError(f"{path}: no such file") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _err(f"{path}: not valid JSON (corrupt or partial file): {e}") from None
+            raise PolicyTableError(f"{path}: not valid JSON (corrupt or partial file): {e}") from None
         return PolicyTable.from_json(obj, source=path)
 
     def check(self, model, cache: str, bits: int, group: int) -> None:
         """Refuse a table made for another model, layer count, cache mode, bit width or group."""
         fp = model_fingerprint(model)
         if self.fingerprint.get("n_layers") != fp["n_layers"]:
-            raise _err(f"table for {self.model!r} has {self.fingerprint.get('n_layers')} layers, "
-                       f"the model has {fp['n_layers']}")
+            raise PolicyTableError(f"table for {self.model!r} has {self.fingerprint.get('n_layers')} "
+                                   f"layers, the model has {fp['n_layers']}")
         diff = sorted(k for k in fp if self.fingerprint.get(k) != fp[k])
         if diff:
-            raise _err(f"table was made for another model ({self.model!r}): {', '.join(diff)} differ")
+            raise PolicyTableError(f"table was made for another model ({self.model!r}): "
+                                   f"{', '.join(diff)} differ")
         if self.cache != cache:
-            raise _err(f"table is for cache={self.cache!r}, decoding uses cache={cache!r}")
+            raise PolicyTableError(f"table is for cache={self.cache!r}, decoding uses cache={cache!r}")
         if self.bits != bits:
-            raise _err(f"table is for bits={self.bits}, decoding uses bits={bits}")
+            raise PolicyTableError(f"table is for bits={self.bits}, decoding uses bits={bits}")
         if self.group != group:
-            raise _err(f"table is for group={self.group}, decoding uses group={group}")
+            raise PolicyTableError(f"table is for group={self.group}, decoding uses group={group}")
 
 
 def make_table(model, name: str, cache: str, bits: int, layers, group: int = 32,
