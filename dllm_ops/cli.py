@@ -1,9 +1,23 @@
 """The command line: ``python -m dllm_ops generate --model PATH|NAME --prompt TEXT``.
 
+What to decode is one :class:`dllm_ops.config.DecodeConfig`, built in this
+order: ``--config FILE.json`` (a DecodeConfig as JSON, whole or partial; the
+defaults otherwise), then the dedicated flags (``--cache``, ``--gen-length``,
+``--threshold``, ...) and every ``--set KEY=VALUE`` on top, through
+:func:`dllm_ops.config.config_from_settings` (the parser lm-eval's
+``model_args`` use too). A key is a dotted path of the configuration
+(``cache.method=d2cache``, ``cache.d2cache.rollout_p=0.2``,
+``reuse.method=kv``) or a keyword of ``generate`` (``cache=dual``,
+``d2cache.rollout_p=0.2``, ``dare=kv``, ``dare_opts.rho=0.5``,
+``kv_quant.bits=4``); a flag and a ``--set`` naming the same field is an error.
+``--print-config`` prints the resolved configuration as JSON and exits (no
+model is loaded): that JSON is a ``--config`` file.
+
 Prints the generated text and the decode statistics (model calls, tokens per
-second, tokens run); ``--json`` prints one JSON object instead. Every error is
-one line on stderr and a non-zero exit status (2: bad arguments, 1: the
-model or the decode failed); ``DLLM_OPS_TRACEBACK=1`` shows the traceback.
+second, tokens run); ``--json`` prints one JSON object instead (with the
+configuration that ran under ``config``). Every error is one line on stderr
+and a non-zero exit status (2: bad arguments or configuration, 1: the model or
+the decode failed); ``DLLM_OPS_TRACEBACK=1`` shows the traceback.
 """
 from __future__ import annotations
 
@@ -27,9 +41,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _cache_names() -> list[str]:
-    from .policies import POLICIES
-    return sorted(POLICIES)
+#: dedicated flags -> the configuration path each sets (argparse dest -> path)
+FLAG_PATHS = {
+    "cache": "cache.method", "gen_length": "shape.gen_length", "block_length": "shape.block_length",
+    "steps": "shape.steps", "unmask": "reveal.unmask", "threshold": "reveal.threshold",
+    "factor": "reveal.factor", "alg": "reveal.alg", "temperature": "reveal.temperature",
+    "seed": "shape.seed",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,14 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     sub.required = True
     g = sub.add_parser("generate", help="decode an answer to a prompt and print it with its stats",
-                       description="Decode with dllm_ops.generate; options default to generate()'s.")
-    g.add_argument("--model", required=True,
-                   help="checkpoint folder, or a shipped model: tiny-llada, tiny-dream")
-    g.add_argument("--prompt", required=True, action="append",
-                   help="prompt text (repeat for a batch)")
+                       description="Decode with dllm_ops.generate; the decode configuration is "
+                                   "--config FILE (or the defaults), then the flags and --set on top.")
+    g.add_argument("--model", help="checkpoint folder, or a shipped model: tiny-llada, tiny-dream "
+                                   "(required unless --print-config)")
+    g.add_argument("--prompt", action="append",
+                   help="prompt text (repeat for a batch; required unless --print-config)")
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message in the model's chat template")
-    g.add_argument("--cache", default="none", help="cache method (default none)")
+    g.add_argument("--config", dest="config_file", metavar="FILE.json",
+                   help="a decode configuration as JSON (DecodeConfig.to_json / --print-config); "
+                        "flags and --set apply on top")
+    g.add_argument("--cache", default=None, help="cache method: none | prefix | dual | d2cache "
+                                                 "(default none)")
     g.add_argument("--gen-length", type=int, default=None, help="generated tokens (default 128)")
     g.add_argument("--block-length", type=int, default=None, help="block size (default 32)")
     g.add_argument("--steps", type=int, default=None, help="model-call budget (default gen-length)")
@@ -55,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other generate() option, e.g. --set stop_at_eos=false, "
-                        "--set d2cache.rollout_p=0.2 (values are JSON when they parse as JSON)")
+                   help="any configuration field by its path or generate() keyword, e.g. "
+                        "--set cache.d2cache.rollout_p=0.2, --set reuse.method=kv --set reuse.rho=0.5, "
+                        "--set stop_at_eos=false (values are JSON when they parse as JSON)")
+    g.add_argument("--print-config", action="store_true",
+                   help="print the resolved decode configuration as JSON and exit (a --config file)")
     g.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="weights and activations (auto: fp32 on CPU, bf16 on CUDA)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -66,28 +92,75 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _generate_kwargs(args) -> dict:
-    from .options import generate_options, parse_pairs
-    given = parse_pairs(args.options)
-    named = dict(cache=args.cache, gen_length=args.gen_length, block_length=args.block_length,
-                 steps=args.steps, unmask=args.unmask, threshold=args.threshold,
-                 factor=args.factor, alg=args.alg, temperature=args.temperature, seed=args.seed)
-    for key, value in named.items():
-        if value is None:
-            continue
-        if key in given:
-            raise UsageError(f"python -m dllm_ops generate: {key} is given both as "
-                             f"--{key.replace('_', '-')} and --set")
-        given[key] = value
-    return generate_options(given)
+def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out |= _leaf_paths(value, path + ".") if isinstance(value, dict) else {path}
+    return out
+
+
+def _load_config_file(path: str):
+    from .config import DecodeConfig
+    from .errors import ConfigError
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UsageError(f"python -m dllm_ops generate: --config {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise UsageError(f"python -m dllm_ops generate: --config {path}: not valid JSON ({e})") from None
+    try:
+        return DecodeConfig.from_dict(data)
+    except ConfigError as e:
+        raise UsageError(f"python -m dllm_ops generate: --config {path}: {e}") from None
+
+
+def decode_config(args):
+    """The DecodeConfig of parsed ``generate`` arguments: --config (or the
+    defaults), then the dedicated flags and --set, one parser for both."""
+    from .config import DecodeConfig, config_from_settings, parse_pairs, settings_tree
+    from .errors import ConfigError
+    from .options import OptionError
+    base = _load_config_file(args.config_file) if args.config_file else DecodeConfig()
+    try:
+        given = parse_pairs(args.options)
+        from_set = _leaf_paths(settings_tree(given))
+        settings = dict(given)
+        for dest, path in FLAG_PATHS.items():
+            value = getattr(args, dest)
+            if value is None:
+                continue
+            if path in from_set or path in settings:
+                flag = "--" + dest.replace("_", "-")
+                raise UsageError(f"python -m dllm_ops generate: {dest} is given both as {flag} "
+                                 f"and --set")
+            settings[path] = value
+        return config_from_settings(settings, base)
+    except (ConfigError, OptionError) as e:
+        raise UsageError(str(e)) from None
+
+
+def config_from_argv(argv: list[str]):
+    """The DecodeConfig a ``python -m dllm_ops generate ...`` command line would
+    decode with (``argv`` without the program name), without loading a model."""
+    return decode_config(build_parser().parse_args(argv))
 
 
 def cmd_generate(args) -> int:
+    config = decode_config(args)   # configuration errors before the model loads
+    if args.print_config:
+        print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        return 0
+    for flag in ("model", "prompt"):
+        if not getattr(args, flag):
+            raise UsageError(f"python -m dllm_ops generate: the following arguments are required: "
+                             f"--{flag}")
+
     import torch
 
     import dllm_ops
 
-    kwargs = _generate_kwargs(args)   # option errors before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,13 +168,13 @@ def cmd_generate(args) -> int:
     model = dllm_ops.load(args.model, dtype=getattr(torch, dtype_name), device=device)
     if args.chat:
         messages = [[{"role": "user", "content": p}] for p in args.prompt]
-        out = dllm_ops.generate(model, model.tokenizer, messages=messages, **kwargs)
+        out = dllm_ops.generate(model, model.tokenizer, config, messages=messages)
     else:
-        out = dllm_ops.generate(model, model.tokenizer, prompt=args.prompt, **kwargs)
-    s = out.stats
+        out = dllm_ops.generate(model, model.tokenizer, config, prompt=args.prompt)
+    s = dict(out.stats)
     if args.json:
         print(json.dumps(dict(model=args.model, device=device, dtype=dtype_name, prompts=args.prompt,
-                              text=out.text, tokens=out.sequences, options=kwargs, stats=s),
+                              text=out.text, tokens=out.sequences, config=config.to_dict(), stats=s),
                          default=str))
         return 0
     for r, text in enumerate(out.text):
@@ -125,7 +198,6 @@ def main(argv=None) -> int:
     except Exception as e:  # one line, no traceback: the CLI's contract
         if os.environ.get("DLLM_OPS_TRACEBACK") == "1":
             raise
-        from .options import OptionError
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
-        return 2 if isinstance(e, OptionError) else 1
+        return 1

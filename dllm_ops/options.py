@@ -1,32 +1,30 @@
-"""generate() options given as text: ``key=value`` pairs from a command line
+"""Decode options given as text: ``KEY=VALUE`` pairs from a command line
 (``python -m dllm_ops generate --set``) or from lm-eval's ``--model_args``.
 
-Every keyword of :func:`dllm_ops.generate` is accepted by name, so options
-added to it later (d²Cache, DARE, KV quantization) need no change here.
-A dotted key builds a dict argument: ``d2cache.rollout_p=0.2`` becomes
-``d2cache={"rollout_p": 0.2}`` (lm-eval splits its arguments at commas, so a
-dict cannot be written inline there).
+This module holds the text layer only: :func:`parse_value` (a value is JSON
+when it parses as JSON) and :func:`parse_pairs`. What the keys mean is one
+parser, :func:`dllm_ops.config.config_from_settings`: a dotted path of the
+:class:`~dllm_ops.config.DecodeConfig` (``cache.d2cache.rollout_p=0.2``) or a
+keyword of ``generate`` (``cache=dual``, ``d2cache.rollout_p=0.2``; lm-eval
+splits its arguments at commas, so a dict cannot be written inline there).
+:func:`model_args_config` is lm-eval's use of it (dllm_ops/lm_eval_model.py),
+here so that it can be checked without lm_eval installed.
 """
 from __future__ import annotations
 
-import inspect
 import json
 
 from .errors import OptionError
 
-# Arguments of generate() that are not options: the model, the inputs, and a
-# policy object (which text cannot name; use cache=...).
-_NOT_OPTIONS = ("model", "tokenizer_or_ids", "prompt", "messages", "policy")
-
 __all__ = ["OptionError", "generate_option_names", "parse_value", "parse_pairs",
-           "generate_options"]
+           "model_args_config"]
 
 
 def generate_option_names() -> list[str]:
-    """The keyword arguments of dllm_ops.generate that text options may set."""
-    from .decode import generate
-    return [n for n, p in inspect.signature(generate).parameters.items()
-            if n not in _NOT_OPTIONS and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    """The keyword names of ``generate`` that text options may use besides the
+    configuration's dotted paths (``dllm_ops.config.KEYWORDS``)."""
+    from .config import KEYWORDS
+    return list(KEYWORDS)
 
 
 def parse_value(text):
@@ -51,25 +49,30 @@ def parse_pairs(pairs: list[str]) -> dict:
     return out
 
 
-def generate_options(options: dict) -> dict:
-    """Validated generate() keyword arguments from ``{name: value}`` (dotted
-    names build dict arguments; string values are parsed as JSON when they are)."""
-    names = generate_option_names()
-    out: dict = {}
-    for key, value in options.items():
-        head, _, sub = key.partition(".")
-        if head not in names:
-            raise OptionError(f"unknown generate option {head!r}; "
-                              f"known: {', '.join(sorted(names))}")
-        value = parse_value(value)
-        if sub:
-            nested = out.setdefault(head, {})
-            if not isinstance(nested, dict):
-                raise OptionError(f"option {head!r} is given both as a value and as "
-                                  f"{key!r}")
-            nested[sub] = value
-        else:
-            if head in out:
-                raise OptionError(f"option {head!r} is given twice")
-            out[head] = value
+def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out |= _leaf_paths(value, path + ".") if isinstance(value, dict) and key != "table" else {path}
     return out
+
+
+def model_args_config(settings: dict, max_gen_toks: int):
+    """lm-eval's decode ``model_args`` (every key but the model-loading ones) ->
+    ``(DecodeConfig, paths)`` through :func:`dllm_ops.config.config_from_settings`;
+    ``paths`` are the dotted fields the settings set (``threshold`` ->
+    ``reveal.threshold``). Without a gen length in the settings the region is
+    ``max_gen_toks`` rounded up to a multiple of the block length."""
+    from .config import ShapeConfig, config_from_settings, settings_tree
+    tree = settings_tree(settings)
+    paths = _leaf_paths(tree)
+    if "shape.gen_length" not in paths:
+        block = tree.get("shape", {}).get("block_length", ShapeConfig.block_length)
+        if isinstance(block, int) and not isinstance(block, bool) and block > 0:   # else: named below
+            settings = {**settings, "shape.gen_length": region_length(max_gen_toks, block)}
+    return config_from_settings(settings), paths
+
+
+def region_length(max_gen_toks: int, block_length: int) -> int:
+    """The generated region for ``max_gen_toks`` tokens: rounded up to whole blocks."""
+    return -(-max_gen_toks // block_length) * block_length
