@@ -2,15 +2,22 @@
 dllm_ops.generate with any cache method.
 
     pip install .[eval]          # lm_eval; `make build` also registers the model
-    lm_eval --model dllm_ops --model_args pretrained=PATH|tiny-llada,cache=dual,threshold=0.9 \\
+    lm_eval --model dllm_ops \\
+            --model_args pretrained=PATH|tiny-llada,cache.method=dual,reveal.unmask=threshold \\
             --tasks ... [--batch_size 16]
 
-``--model_args``: ``pretrained`` (a checkpoint folder or a shipped model name),
-``dtype`` (auto | float32 | bfloat16 | float16; auto: bf16 on CUDA, fp32 on
-CPU), ``device``, ``batch_size``, ``threads``; every other key is a keyword of
-dllm_ops.generate, passed through as is (dllm_ops/options.py), so the cache
-method and its options (``cache=d2cache,d2cache.rollout_p=0.2``, DARE, KV
-quantization) need nothing here. A dotted key builds a dict argument.
+``--model_args``: the model-loading keys ``pretrained`` (a checkpoint folder
+or a shipped model name), ``dtype`` (auto | float32 | bfloat16 | float16;
+auto: bf16 on CUDA, fp32 on CPU), ``device``, ``batch_size``, ``threads``,
+``max_gen_toks``; every other key is a decode setting, parsed into one
+:class:`dllm_ops.config.DecodeConfig` by the parser the command line's
+``--set`` uses (:func:`dllm_ops.config.config_from_settings`, through
+:func:`dllm_ops.options.model_args_config`): a dotted path of the
+configuration (``cache.method=d2cache,cache.d2cache.rollout_p=0.2``,
+``reuse.method=kv,reuse.rho=0.5``, ``storage.method=kivi,storage.bits=4``) or
+a keyword of ``generate`` (``cache=dual,threshold=0.9``,
+``dare=kv,dare_opts.rho=0.5``). The configuration is checked when the model
+is made; ``self.config`` holds it.
 
 generate_until: requests with the same generation kwargs are decoded in
 batches (longest prompts first, left-padded: a row decodes as it would alone).
@@ -34,14 +41,13 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 import dllm_ops
-from dllm_ops.options import OptionError, generate_options
+from dllm_ops.options import OptionError, model_args_config, region_length
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_MAX_GEN_TOKS = 256
-DEFAULT_BLOCK_LENGTH = 32   # dllm_ops.generate's
 
 
 def _positive_int(name, value) -> int:
@@ -56,13 +62,14 @@ def _positive_int(name, value) -> int:
 class DllmOpsLM(LM):
     def __init__(self, pretrained: str, dtype: str = "auto", device: str | None = None,
                  batch_size=1, max_batch_size=None, threads=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS,
-                 **generate_kwargs):
+                 **decode_settings):
         super().__init__()
         if str(dtype) not in DTYPES:
             raise OptionError(f"dllm_ops lm_eval model: dtype {dtype!r}; choose from {sorted(DTYPES)}")
-        self.options = generate_options(generate_kwargs)
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        # the decode configuration, and which of its fields model_args set
+        self.config, self._given = model_args_config(decode_settings, self.max_gen_toks)
         if threads is not None:
             torch.set_num_threads(_positive_int("threads", threads))
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -137,13 +144,16 @@ class DllmOpsLM(LM):
         if isinstance(until, str):
             until = [until]
         max_gen_toks = _positive_int("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-        kw = dict(self.options)
-        block = kw.get("block_length", DEFAULT_BLOCK_LENGTH)
-        if "gen_length" not in kw:
-            kw["gen_length"] = -(-max_gen_toks // block) * block
-        if gen_kwargs.get("do_sample") and "temperature" in gen_kwargs and "temperature" not in self.options:
-            kw["temperature"] = float(gen_kwargs["temperature"])
-        out = dllm_ops.generate(self.model, prompts, **kw)
+        config = self.config
+        if "shape.gen_length" not in self._given:
+            shape = config.shape
+            config = config.replace(shape=shape.replace(
+                gen_length=region_length(max_gen_toks, shape.block_length)))
+        if gen_kwargs.get("do_sample") and "temperature" in gen_kwargs \
+                and "reveal.temperature" not in self._given:
+            config = config.replace(reveal=config.reveal.replace(
+                temperature=float(gen_kwargs["temperature"])))
+        out = dllm_ops.generate(self.model, prompts, config)
         self.decode_stats.append(out.stats)
         texts = []
         for seq in out.sequences:   # each cut at its first EOS

@@ -15,6 +15,8 @@ from lm_eval.api.instance import Instance
 
 import dllm_ops
 from dllm_ops.lm_eval_model import DllmOpsLM
+from dllm_ops.config import DecodeConfig
+from dllm_ops.errors import ConfigError
 from dllm_ops.options import OptionError
 from dllm_ops.policies import POLICIES
 from dllm_ops.tasks import TASKS, problems
@@ -80,8 +82,19 @@ def test_model_args_pass_through_to_generate(model):
                    seed=3, stop_at_eos=False)
     assert got == want
     assert lm.decode_stats[0]["nfe"] == 8 and lm.batch_size == 2
-    with pytest.raises(OptionError, match="unknown generate option 'bogus'"):
+    # the same settings as dotted configuration paths: the same configuration
+    dotted = DllmOpsLM.create_from_arg_string(
+        "pretrained=tiny-llada,dtype=float32,cache.method=prefix,reveal.unmask=topk,shape.steps=8,"
+        "shape.gen_length=16,shape.block_length=8,shape.seed=3,shape.stop_at_eos=false",
+        {"batch_size": "2", "device": None})
+    assert dotted.config == lm.config == DecodeConfig.from_dict(dict(
+        shape=dict(steps=8, gen_length=16, block_length=8, seed=3, stop_at_eos=False),
+        reveal=dict(unmask="topk"), cache=dict(method="prefix")))
+    assert dotted.generate_until(_requests(ps)) == want
+    with pytest.raises(ConfigError, match="unknown setting 'bogus'"):
         DllmOpsLM(**BASE, bogus=1)
+    with pytest.raises(ConfigError, match=r"reuse: give exactly one of rho"):
+        DllmOpsLM(**BASE, **{"reuse.method": "kv"})
     with pytest.raises(OptionError, match="batch_size must be a positive integer, got 'auto'"):
         DllmOpsLM(**BASE, batch_size="auto")
 
