@@ -17,7 +17,7 @@ configuration (``cache.method=d2cache,cache.d2cache.rollout_p=0.2``,
 ``reuse.method=kv,reuse.rho=0.5``, ``storage.method=kivi,storage.bits=4``) or
 a keyword of ``generate`` (``cache=dual,threshold=0.9``,
 ``dare=kv,dare_opts.rho=0.5``). The configuration is checked when the model
-is made; ``self.config`` holds it.
+is made; ``self.decode_config`` holds it.
 
 generate_until: requests with the same generation kwargs are decoded in
 batches (longest prompts first, left-padded: a row decodes as it would alone).
@@ -69,7 +69,7 @@ class DllmOpsLM(LM):
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         # the decode configuration, and which of its fields model_args set
-        self.config, self._given = model_args_config(decode_settings, self.max_gen_toks)
+        self.decode_config, self._given = model_args_config(decode_settings, self.max_gen_toks)
         if threads is not None:
             torch.set_num_threads(_positive_int("threads", threads))
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -144,7 +144,7 @@ class DllmOpsLM(LM):
         if isinstance(until, str):
             until = [until]
         max_gen_toks = _positive_int("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-        config = self.config
+        config = self.decode_config
         if "shape.gen_length" not in self._given:
             shape = config.shape
             config = config.replace(shape=shape.replace(

@@ -87,7 +87,7 @@ def test_model_args_pass_through_to_generate(model):
         "pretrained=tiny-llada,dtype=float32,cache.method=prefix,reveal.unmask=topk,shape.steps=8,"
         "shape.gen_length=16,shape.block_length=8,shape.seed=3,shape.stop_at_eos=false",
         {"batch_size": "2", "device": None})
-    assert dotted.config == lm.config == DecodeConfig.from_dict(dict(
+    assert dotted.decode_config == lm.decode_config == DecodeConfig.from_dict(dict(
         shape=dict(steps=8, gen_length=16, block_length=8, seed=3, stop_at_eos=False),
         reveal=dict(unmask="topk"), cache=dict(method="prefix")))
     assert dotted.generate_until(_requests(ps)) == want
