@@ -20,12 +20,18 @@ decode in parallel with Fast-dLLM's threshold rule (`--threshold`, 0.9);
   over the calls the problem makes while its block has masks (a row that waits
   for the rest of its batch is not counted), i.e. what it runs decoded alone;
 - d²Cache rows (``d2cache``, or with options ``d2cache:k=4,p=0.1,sigma=3`` for
-  current_k, rollout_p and the stage-1 sigma) decode one token per call in the
-  suite's blocks, as vanilla does, so only the cache differs from vanilla
-  (d²Cache's own evaluation also decodes one token per call);
+  current_k, rollout_p and the stage-1 density sigma) decode one token per
+  call in the suite's blocks, as vanilla does, so only the cache differs from
+  vanilla (d²Cache's own evaluation also decodes one token per call);
 - reused: for DARE modes (``dual+kv@0.75``, ``dual+o@0.5``: cache + DARE-KV /
-  DARE-O at target reuse ρ, see parse_mode), the share of (layer, token)
-  activations reused over the calls after each block start.
+  DARE-O at target reuse ρ; ``dual+o@t0.05`` at drift threshold τ), the share
+  of (layer, token) activations reused over the calls after each block start.
+
+A mode string is the bench's short spelling of a decode configuration's cache
+and reuse sections: it parses into a :class:`dllm_ops.config.DecodeConfig`
+through :func:`dllm_ops.config.config_from_mode`, on top of the row's shape
+and reveal rule (:func:`rule_config`), and every row decodes with
+``generate(model, ids, config)``.
 """
 from __future__ import annotations
 
@@ -55,51 +61,56 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def parse_mode(spec: str):
-    """A cache-mode spec -> (cache, dare, dare_opts).
-
-    ``"dual"`` is a cache mode alone; ``"dual+kv@0.75"`` / ``"dual+o@0.5"`` add
-    DARE-KV / DARE-O at target reuse fraction ρ; ``"dual+o@t0.05"`` at drift
-    threshold τ (dllm_ops/dare.py).
-    """
-    if "+" not in spec:
-        return spec, None, None
-    cache, _, dare = spec.partition("+")
-    mech, _, value = dare.partition("@")
+    """A mode string as the older tuple ``(cache, dare, dare_opts)`` (through
+    :func:`dllm_ops.config.mode_tree`, the one grammar; kept for callers of
+    that tuple: use ``config_from_mode``)."""
+    from dllm_ops.config import mode_tree
     try:
-        opts = dict(tau=float(value[1:])) if value.startswith("t") else dict(rho=float(value))
-    except ValueError:
-        raise ValueError(f"bench.accuracy: bad DARE mode {spec!r}; write e.g. dual+kv@0.75 or "
-                         f"dual+o@t0.05") from None
-    return cache, mech, opts
+        tree = mode_tree(spec)
+    except ValueError as e:
+        raise ValueError(f"bench.accuracy: bad DARE mode {spec!r} ({e})") from None
+    reuse = tree.get("reuse")
+    cache = spec.partition("+")[0]
+    if reuse is None:
+        return cache, None, None
+    return cache, reuse.pop("method"), reuse
 
 
 def d2cache_mode(spec: str):
-    """``"d2cache"`` / ``"d2cache:k=4,p=0.1,sigma=3"`` -> ("d2cache", options or None);
-    any other spec -> (spec, None)."""
+    """``"d2cache"`` / ``"d2cache:k=4,p=0.1,sigma=3"`` -> ("d2cache", options or None)
+    in D2Cache's keyword names; any other spec -> (spec, None) (through
+    :func:`dllm_ops.config.mode_tree`; kept for callers of that tuple: use
+    ``config_from_mode``)."""
+    from dllm_ops.config import mode_tree
     if not spec.startswith("d2cache:"):
         return spec, None
-    names = {"k": "current_k", "p": "rollout_p", "sigma": "sigma"}
-    opts = {}
-    for item in spec[len("d2cache:"):].split(","):
-        key, _, value = item.partition("=")
-        if key not in names or not value:
-            raise ValueError(f"bench.accuracy: bad d2cache mode {spec!r}; write e.g. d2cache:k=4,p=0.1,sigma=3")
-        opts[names[key]] = int(value) if key == "k" else float(value)
-    return "d2cache", opts
+    try:
+        d2 = mode_tree(spec)["cache"]["d2cache"]
+    except ValueError as e:
+        raise ValueError(f"bench.accuracy: bad d2cache mode {spec!r} ({e})") from None
+    names = {"current_k": "current_k", "rollout_p": "rollout_p", "density_sigma": "sigma"}
+    return "d2cache", {names[k]: v for k, v in d2.items()}
 
 
 def decode_modes(caches, threshold):
-    """(cache, rule) pairs to run, vanilla first; rule is "1/call" or a threshold."""
+    """(mode, rule) pairs to run, vanilla first; rule is "1/call" or a threshold.
+    Every mode string is parsed here (a bad one fails before a model loads)."""
+    from dllm_ops.config import config_from_mode
+
     modes = [("none", "1/call")]
     for c in caches:
-        one = c == "stale" or d2cache_mode(c)[0] == "d2cache"
+        one = config_from_mode(c).cache.method in ("stale", "d2cache")
         rule = "1/call" if one or threshold is None else float(threshold)
         if (c, rule) not in modes:
             modes.append((c, rule))
     return modes
 
 
-def _decode_kwargs(model, rule, gen_length, block_length):
+def rule_config(model, rule, gen_length, block_length):
+    """The DecodeConfig of a row's shape and reveal rule ("1/call" or a
+    threshold), with no cache: a mode string goes on top (config_from_mode)."""
+    from dllm_ops.config import config_from_generate_kwargs
+
     kw = dict(gen_length=gen_length, block_length=block_length, stop_at_eos=True)
     if model.config.arch == "dream":
         # Without a cache Dream's own confidence_threshold has a per-call budget
@@ -112,7 +123,7 @@ def _decode_kwargs(model, rule, gen_length, block_length):
         kw.update(unmask="topk", steps=gen_length)
     else:
         kw.update(unmask="threshold", threshold=rule)
-    return kw
+    return config_from_generate_kwargs(**kw)
 
 
 class _CountCalls:
@@ -124,6 +135,9 @@ class _CountCalls:
         self.wants_probs = inner.wants_probs
         self.calls = None
         self.tokens = self.busy_calls = None   # per row: tokens run / calls, while its block has masks
+
+    def cache_config(self):
+        return self.inner.cache_config()
 
     def _count(self, state, plan):
         if self.tokens is None:
@@ -162,7 +176,8 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
         model_name_or_path: "tiny-llada", "tiny-dream" or a checkpoint folder
             (ignored when `model` is given).
         tasks: "all", a name, a comma-separated list or a list of names.
-        caches: cache modes (dllm_ops.policies.POLICIES) besides vanilla.
+        caches: mode strings besides vanilla (``dual``, ``dual+kv@0.75``,
+            ``d2cache:k=4,p=0.1,sigma=3``; dllm_ops.config.config_from_mode).
         block_length: default dllm_ops.tasks.BLOCK_LENGTH (16).
         threshold: the parallel-decoding threshold of the cached modes; None
             decodes every mode one token per call.
@@ -171,14 +186,13 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     from tqdm.auto import tqdm
 
     import dllm_ops  # noqa: F401  (registers the ops)
+    from dllm_ops.config import config_from_mode
     from dllm_ops.decode import generate
     from dllm_ops.models import load
-    from dllm_ops.policies import POLICIES, make_policy
+    from dllm_ops.policies import make_policy
     from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
-    bad = [c for c in caches if d2cache_mode(parse_mode(c)[0])[0] not in POLICIES]
-    if bad:
-        raise ValueError(f"bench.accuracy: unknown cache mode(s) {bad}; choose from {sorted(POLICIES)}")
+    modes = decode_modes(caches, threshold)   # a bad mode string fails here
     names = task_names(tasks)
     block_length = block_length or BLOCK_LENGTH
     if model is None:
@@ -187,7 +201,6 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     else:
         label = getattr(model, "name", model.config.arch)
     eos = model.config.eos_id
-    modes = decode_modes(caches, threshold)
     per_task = {t: sorted(problems(t, n, seed, split), key=lambda p: len(p.prompt_ids)) for t in names}
     nb = -(-n // batch_size)
     bar = tqdm(total=len(names) * len(modes) * nb, desc=f"accuracy {label}", unit="batch",
@@ -198,19 +211,18 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
         vanilla_tokens = None
         for cache, rule in modes:
             bar.set_postfix_str(f"{task} {cache} {_label(cache, rule)}")
-            kw = _decode_kwargs(model, rule, TASKS[task].gen_length, block_length)
+            config = config_from_mode(cache, rule_config(model, rule, TASKS[task].gen_length,
+                                                         block_length))
+            dare = config.reuse.method != "none"
             toks, calls, batch_calls, wall, n_tok = [], [], [], 0.0, 0
             run_tokens, run_calls = 0, 0
-            base_cache, dare, dare_opts = parse_mode(cache)
-            base_cache, d2cache_opts = d2cache_mode(base_cache)
             reuse = [0, 0]   # DARE: (layer, token) activations reused / run in reuse-eligible calls
             for b in range(0, n, batch_size):
                 chunk = probs[b:b + batch_size]
-                policy = _CountCalls(make_policy(base_cache, d2cache_opts))
+                policy = _CountCalls(make_policy(config.cache))
                 t0 = time.perf_counter()
-                out = generate(model, [list(p.prompt_ids) for p in chunk], policy=policy, dare=dare,
-                               dare_opts=dare_opts, **kw)
-                if dare is not None:
+                out = generate(model, [list(p.prompt_ids) for p in chunk], config, policy=policy)
+                if dare:
                     reuse[0] += out.stats["dare_activations_reused"]
                     reuse[1] += out.stats["dare_activations_run"]
                 wall += time.perf_counter() - t0
@@ -233,7 +245,7 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                              run_per_call=run_tokens / run_calls, split=split,
                              gen_length=TASKS[task].gen_length, block_length=block_length,
                              batch_size=batch_size, reused=reuse[0], reuse_eligible=reuse[1],
-                             reuse=reuse[0] / reuse[1] if dare is not None and reuse[1] else None))
+                             reuse=reuse[0] / reuse[1] if dare and reuse[1] else None))
     bar.close()
     for cache, rule in modes:
         mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
@@ -294,8 +306,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="all", help="all | add | scan | sub | a,b,...")
     p.add_argument("--n", type=int, default=500, help="held-out problems per task")
     p.add_argument("--cache", nargs="+", default=list(DEFAULT_CACHES),
-                   help="cache modes besides vanilla; CACHE+kv@RHO / CACHE+o@RHO add DARE (e.g. dual+kv@0.75); "
-                        "d2cache:k=K,p=P,sigma=S sets d2cache's options")
+                   help="cache modes besides vanilla; CACHE+kv@RHO / CACHE+o@RHO add DARE (e.g. dual+kv@0.75, "
+                        "dual+o@t0.05 for a drift threshold); d2cache:k=K,p=P,sigma=S sets d2cache's options "
+                        "(dllm_ops.config.config_from_mode)")
     p.add_argument("--block-length", type=int, default=None, help="default 16")
     p.add_argument("--threshold", type=float, default=0.9,
                    help="parallel-decoding threshold of the cached modes (<= 0: one token per call)")

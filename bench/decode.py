@@ -76,6 +76,8 @@ def resolve_model(name: str) -> str:
 
 def cmd_decode(args) -> int:
     import dllm_ops
+    from dllm_ops.config import ReuseConfig, config_from_generate_kwargs
+    from dllm_ops.policies import D2Cache
 
     if args.task:
         from bench.accuracy import DEFAULT_CACHES, format_table, run_accuracy
@@ -115,70 +117,82 @@ def cmd_decode(args) -> int:
     for _ in range(args.batch):
         ids = torch.randint(0, c.vocab_size, (args.prompt_length,), generator=g).tolist()
         prompts.append([t if t not in special else 5 for t in ids])
-    kw = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps or args.gen_length,
-              unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed,
-              max_blocks=args.max_blocks)
-    if c.arch == "dream":
-        kw["alg"] = "confidence_threshold" if args.unmask == "threshold" else "entropy"
+    base = config_from_generate_kwargs(
+        gen_length=args.gen_length, block_length=args.block_length, steps=args.steps or args.gen_length,
+        unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed,
+        max_blocks=args.max_blocks, time_layers=True,
+        alg=("confidence_threshold" if args.unmask == "threshold" else "entropy") if c.arch == "dream" else None)
     print(f"model={label} dtype={args.dtype} threads={torch.get_num_threads()} batch={args.batch} "
           f"prompt={args.prompt_length} gen={args.gen_length} block={args.block_length} unmask={args.unmask}"
           f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}"
           f"{f' (first {args.max_blocks} block(s) only)' if args.max_blocks else ''}")
-    from bench.accuracy import d2cache_mode, parse_mode
-    from dllm_ops.policies import D2Cache
 
-    rows, base = [], None
-    for cache in args.caches:
-        base_cache, dare, dare_opts = parse_mode(cache)
-        base_cache, d2cache_opts = d2cache_mode(base_cache)
-        mode_kw, policy = dict(kw), None
-        if base_cache == "d2cache":
-            # d²Cache decodes the region as one block (its own setting) unless told
-            # otherwise; its policy times its own selection work.
-            mode_kw["block_length"] = args.d2cache_block_length or args.gen_length
-            policy = D2Cache(sync_timing=True, **(d2cache_opts or {}))
+    rows, ran, first = [], [], None
+    for mode, config in mode_configs(args.caches, base, args.d2cache_block_length or args.gen_length):
+        # d²Cache's policy times its own selection work (synchronised on a GPU).
+        policy = D2Cache(sync_timing=True, **_d2cache_kwargs(config)) if config.cache.method == "d2cache" \
+            else None
         t0 = time.perf_counter()
-        out = dllm_ops.generate(model, prompts, cache=base_cache,
-                                policy=policy, dare=dare, dare_opts=dare_opts, time_layers=True, **mode_kw)
+        out = dllm_ops.generate(model, prompts, config, policy=policy)
         wall = time.perf_counter() - t0
         s = out.stats
-        r = dict(cache=cache, nfe=s["nfe"], wall_s=wall, tokens_per_s=s["generated_tokens"] / wall,
+        r = dict(cache=mode, nfe=s["nfe"], wall_s=wall, tokens_per_s=s["generated_tokens"] / wall,
                  tokens_recomputed=s["tokens_recomputed"], model_tflops=s["model_flops"] / 1e12,
                  run_per_call=s["tokens_recomputed"] / s["n_layers"] / s["nfe"],
                  select_share=policy.selection_s / wall if policy is not None else None,
-                 block_length=mode_kw["block_length"],
+                 block_length=config.shape.block_length,
                  reuse=s.get("dare_reuse_share"), **_layer_latency(s))
-        if base is None:
-            base = r
-        r["speedup_wall"] = base["wall_s"] / wall
-        r["flops_ratio"] = base["model_tflops"] / r["model_tflops"]
+        if first is None:
+            first = r
+        r["speedup_wall"] = first["wall_s"] / wall
+        r["flops_ratio"] = first["model_tflops"] / r["model_tflops"]
         # Per-layer latency of the calls after the block start, against the
         # same cache mode without DARE when it ran in this run.
-        plain = next((p for p in rows if p["cache"] == base_cache), None)
+        plain = next((row for cfg, row in ran if cfg == config.replace(reuse=ReuseConfig())), None)
         r["layer_speedup"] = plain["layer_ms"] / r["layer_ms"] if plain and r["layer_ms"] else None
         rows.append(r)
+        ran.append((config, r))
         sel = f" selection={r['select_share']:.2%}" if r["select_share"] is not None else ""
-        print(f"  {cache:<8} NFE={r['nfe']:<5} wall={wall:8.2f}s tok/s={r['tokens_per_s']:8.2f} "
+        print(f"  {mode:<8} NFE={r['nfe']:<5} wall={wall:8.2f}s tok/s={r['tokens_per_s']:8.2f} "
               f"recomputed={r['tokens_recomputed']:<9} TFLOPs={r['model_tflops']:8.3f} "
               f"speedup={r['speedup_wall']:5.2f}x flops-ratio={r['flops_ratio']:5.2f}x "
               f"layer={r['layer_ms']:.2f}ms run/call={r['run_per_call']:.1f}{sel}", flush=True)
         if args.profile:
-            again = D2Cache(**(d2cache_opts or {})) if base_cache == "d2cache" else None
-            _print_profile(model, prompts, dict(cache=base_cache, policy=again, dare=dare, dare_opts=dare_opts,
-                                                **mode_kw), args.profile)
+            _print_profile(model, prompts, config.replace(time_layers=False), args.profile)
     _print_table(rows)
     _write_csv(args.csv, rows)
     return 0
 
 
-def _print_profile(model, prompts, generate_kw, top: int) -> None:
+def mode_configs(modes, base, d2cache_block_length: int) -> list[tuple[str, object]]:
+    """``(mode, DecodeConfig)`` per mode string (dllm_ops.config.config_from_mode on
+    top of ``base``); d²Cache rows decode ``d2cache_block_length`` blocks (its own
+    setting: the whole region as one block). Every string is parsed before any
+    decode runs."""
+    from dllm_ops.config import config_from_mode
+
+    out = []
+    for mode in modes:
+        config = config_from_mode(mode, base)
+        if config.cache.method == "d2cache":
+            config = config.replace(shape=config.shape.replace(block_length=d2cache_block_length))
+        out.append((mode, config))
+    return out
+
+
+def _d2cache_kwargs(config) -> dict:
+    d = config.cache.d2cache
+    return dict(rollout_p=d.rollout_p, current_k=d.current_k, sigma=d.density_sigma)
+
+
+def _print_profile(model, prompts, config, top: int) -> None:
     """Decode once more under torch.profiler; print the top ops by self CPU time,
     grouped by input shapes (so a ``[B, block, V]`` tensor would show)."""
     import dllm_ops
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        dllm_ops.generate(model, prompts, **generate_kw)
+        dllm_ops.generate(model, prompts, config)
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=top,
                                                               max_name_column_width=32,
                                                               max_shapes_column_width=60), flush=True)
@@ -227,8 +241,10 @@ def add_parser(sub) -> None:
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random weights at real layer shapes")
     p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
     p.add_argument("--caches", nargs="+", default=None,
-                   help="cache modes (default none prefix dual; with --task also the diagnostic stale); "
-                        "CACHE+kv@RHO / CACHE+o@RHO add DARE-KV / DARE-O (e.g. dual+kv@0.75)")
+                   help="cache modes (default none prefix dual d2cache; with --task also the diagnostic "
+                        "stale); CACHE+kv@RHO / CACHE+o@RHO add DARE-KV / DARE-O (e.g. dual+kv@0.75, "
+                        "dual+o@t0.05 for a drift threshold); d2cache:k=K,p=P,sigma=S sets d2cache's "
+                        "options (each parses into a DecodeConfig: dllm_ops.config.config_from_mode)")
     p.add_argument("--task", nargs="+", help="accuracy run on the task suite ('all' for every task)")
     p.add_argument("--n", type=int, default=500, help="problems per task with --task")
     p.add_argument("--batch", type=int, default=1)

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from bench.accuracy import _CountCalls, _agreement, _decode_kwargs, resolve_model
+from bench.accuracy import _agreement, resolve_model, rule_config
 
 ROWS = [("bf16", None, None), ("kivi", 4, None), ("kvq", 4, None), ("kivi", 2, None), ("kvq", 2, None)]
 
@@ -46,9 +46,9 @@ def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), thre
 
     import dllm_ops  # noqa: F401
     from dllm_ops.calibrate.select import policy_k_bits
+    from dllm_ops.config import StorageConfig, config_from_mode
     from dllm_ops.decode import generate
     from dllm_ops.models import load
-    from dllm_ops.policies import make_policy
     from dllm_ops.quant.policy_table import PolicyTable
     from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
@@ -67,24 +67,24 @@ def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), thre
     rows = []
     for task in names:
         probs = per_task[task]
-        kw = _decode_kwargs(model, threshold, TASKS[task].gen_length, BLOCK_LENGTH)
+        row = rule_config(model, threshold, TASKS[task].gen_length, BLOCK_LENGTH)
         for cache in caches:
             base_tokens = None
+            cached = config_from_mode(cache, row)
             for method, bits, _ in ROWS:
-                kvq = None
-                if method == "kivi":
-                    kvq = dict(bits=bits, method="kivi")
-                elif method == "kvq":
-                    kvq = dict(bits=bits, method="kvq", policy=tables[(cache, bits)])
+                kvq = method != "bf16"
+                storage = StorageConfig() if not kvq else StorageConfig(
+                    method=method, bits=bits, table=tables[(cache, bits)] if method == "kvq" else None)
+                config = cached.replace(storage=storage)
                 toks, wall, kv_bytes, bf16_bytes, kbits, vbits, nrow = [], 0.0, 0, 0, [], [], 0
                 for b in range(0, n, batch_size):
                     chunk = probs[b:b + batch_size]
                     t0 = time.perf_counter()
-                    out = generate(model, [list(p.prompt_ids) for p in chunk], cache=cache, kv_quant=kvq, **kw)
+                    out = generate(model, [list(p.prompt_ids) for p in chunk], config)
                     wall += time.perf_counter() - t0
                     toks.append(out.tokens)
                     nrow += len(chunk)
-                    if kvq is not None:
+                    if kvq:
                         kv_bytes += out.stats["kv_cache_bytes"]
                         bf16_bytes += out.stats["kv_cache_bytes_bf16"]
                         kbits.append(out.stats["k_bits"])

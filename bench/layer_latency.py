@@ -3,7 +3,8 @@
     python -m bench.layer_latency --synthetic llada-8b --layers 4 --prompt-length 256 \
            --gen-length 256 --block-length 32 --modes dual dual+kv@0.75 dual+o@0.75
 
-Each mode (a cache mode, optionally + DARE, as bench.accuracy.parse_mode) gets
+Each mode (a cache mode, optionally + DARE: a bench mode string, parsed into a
+DecodeConfig by dllm_ops.config.config_from_mode; only dual's call is timed) gets
 its own KV cache and DARE state and one untimed block-start forward of the
 canvas (prompt + gen_length masks). Then `--calls` block-recompute calls
 follow, the same canvases for every mode: call k has the first k + 1 block
@@ -22,11 +23,10 @@ import time
 
 import torch
 
-from bench.accuracy import parse_mode
-
 
 def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, modes: list[str],
                   calls: int | None = None, batch: int = 1) -> list[dict]:
+    from dllm_ops.config import config_from_mode
     from dllm_ops.dare import make_dare
     from dllm_ops.layer_timer import LayerTimer
     from dllm_ops.plan import StepPlan
@@ -47,13 +47,14 @@ def layer_latency(model, prompt: list[int], gen_length: int, block_length: int, 
     calls = block_length - 1 if calls is None else calls
     if calls > block_length - 1:
         raise SystemExit(f"bench.layer_latency: --calls must be at most block_length - 1 ({block_length - 1})")
+    configs = {m: config_from_mode(m) for m in modes}
+    for m, config in configs.items():
+        if config.cache.method != "dual":
+            raise SystemExit(f"bench.layer_latency: times dual's block-recompute call; got {m!r}")
     state = {}
     for m in modes:
-        cache_mode, dare, opts = parse_mode(m)
-        if cache_mode != "dual":
-            raise SystemExit(f"bench.layer_latency: times dual's block-recompute call; got {m!r}")
         cache = model.new_cache(valid)
-        rule = make_dare(dare, opts, c)
+        rule = make_dare(configs[m].reuse, c)
         if rule is not None:
             rule.begin_call(True)
         model.step(x, full, cache, reuse=rule)
