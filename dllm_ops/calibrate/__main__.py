@@ -9,10 +9,18 @@
 2. Policy selection on those trajectories (dllm_ops/calibrate/select.py).
 3. The policy table is written at the end, atomically: an interrupted run
    leaves no table (or the previous one), never half of one.
+
+The decode settings (``--cache``, ``--bits``, ``--group``) are the cache and
+storage sections of a :class:`dllm_ops.config.DecodeConfig`, validated there
+(:func:`decode_config`): the table is chosen for that cache method and packed
+storage, starting from KIVI (no protected tokens) at those bits and group. At
+the end the command prints the sections that decode with the new table, as
+JSON (a partial ``python -m dllm_ops generate --config`` file).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -28,6 +36,14 @@ def _resolve(name: str) -> tuple[str, str]:
     raise SystemExit(f"dllm_ops.calibrate: --model {name!r} is neither a shipped model nor a folder")
 
 
+def decode_config(args):
+    """The DecodeConfig the calibration is for: ``--cache`` and packed storage at
+    ``--bits`` / ``--group`` (KIVI, the starting point: no token protected yet)."""
+    from ..config import config_from_settings
+    return config_from_settings({"cache.method": args.cache, "storage.method": "kivi",
+                                 "storage.bits": args.bits, "storage.group": getattr(args, "group", 32)})
+
+
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -38,6 +54,8 @@ def run(args) -> dict:
                          choose, collect, policy_k_bits)
     from .trace import Schedule, load_artifact, save_artifact, trace
 
+    config = decode_config(args)
+    cache, bits, group = config.cache.method, config.storage.bits, config.storage.group
     name, path = _resolve(args.model)
     model = load(path, dtype=torch.float32)
     c = model.config
@@ -77,25 +95,28 @@ def run(args) -> dict:
     bar.close()
 
     n_blocks = sum(len(t["answer"]) // BLOCK_LENGTH for t in trajectories)
-    bar = tqdm(total=n_blocks * c.n_layers * len(CANDIDATES), desc=f"select {args.cache} {args.bits}-bit",
+    bar = tqdm(total=n_blocks * c.n_layers * len(CANDIDATES), desc=f"select {cache} {bits}-bit",
                unit="cand")
-    records = collect(model, trajectories, args.cache, args.bits, BLOCK_LENGTH, args.steps_per_block,
-                      group=32, progress=bar)
+    records = collect(model, trajectories, cache, bits, BLOCK_LENGTH, args.steps_per_block,
+                      group=group, progress=bar)
     bar.close()
-    layers, report = choose(records, c.n_layers, args.bits)
+    layers, report = choose(records, c.n_layers, bits)
     meta = dict(method="dLLM-KVQ policy selection (dllm_ops/calibrate/select.py)", split="calib",
                 n_samples=len(trajectories), tasks=tasks, seed=args.seed, steps_per_block=args.steps_per_block,
                 trace=os.path.basename(trace_path), weights=WEIGHTS, win_rate_gate=WIN_RATE,
-                k_bits_cap=K_BITS_CAP[args.bits], bit_penalty_per_bit=BIT_PENALTY, topk=TOPK,
+                k_bits_cap=K_BITS_CAP[bits], bit_penalty_per_bit=BIT_PENALTY, topk=TOPK,
                 min_records=MIN_RECORDS,
-                mean_k_bits=sum(policy_k_bits(args.bits, l.p) for l in layers) / len(layers),
+                mean_k_bits=sum(policy_k_bits(bits, l.p) for l in layers) / len(layers),
                 candidates=report)
-    table = PolicyTable(model=name, fingerprint=header["fingerprint"], cache=args.cache, bits=args.bits,
-                        group=32, layers=layers, meta=meta)
+    table = PolicyTable(model=name, fingerprint=header["fingerprint"], cache=cache, bits=bits,
+                        group=group, layers=layers, meta=meta)
     table = PolicyTable.from_json(table.to_json())
     table.save(args.out)
     print(f"{args.out}: " + ", ".join(f"L{i} {l.score}:{l.p}" for i, l in enumerate(layers))
           + f"  (mean K bits {meta['mean_k_bits']:.3f})")
+    use = config.replace(storage=config.storage.replace(method="kvq", table=args.out))
+    print("decode config: " + json.dumps({k: use.to_dict()[k] for k in ("cache", "storage")},
+                                         sort_keys=True))
     return table.to_json()
 
 
@@ -103,7 +124,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dllm_ops.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="tiny-llada | tiny-dream | checkpoint folder")
     p.add_argument("--cache", required=True, choices=["prefix", "dual"])
-    p.add_argument("--bits", required=True, type=int, choices=[2, 4])
+    p.add_argument("--bits", required=True, type=int, help="2 | 4 (storage.bits)")
+    p.add_argument("--group", type=int, default=32,
+                   help="K token group / V channel group (storage.group, default 32)")
     p.add_argument("--out", required=True, help="policy table (JSON) to write")
     p.add_argument("--n", type=int, default=8, help="calibration samples (the paper uses 8)")
     p.add_argument("--tasks", default="all", help="calib tasks to cycle through (all | a,b,...)")
@@ -113,6 +136,11 @@ def main(argv=None) -> int:
     p.add_argument("--trace", help="TRACE artifact (default <out>.trace.json); resumed if present")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
+    from ..errors import ConfigError
+    try:
+        decode_config(args)   # settings errors before anything loads
+    except ConfigError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     run(args)
