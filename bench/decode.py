@@ -76,7 +76,7 @@ def resolve_model(name: str) -> str:
 
 def cmd_decode(args) -> int:
     import dllm_ops
-    from dllm_ops.config import ReuseConfig, config_from_generate_kwargs
+    from dllm_ops.config import ReuseConfig
     from dllm_ops.policies import D2Cache
 
     if args.task:
@@ -94,11 +94,7 @@ def cmd_decode(args) -> int:
         print(format_table(rows))
         _write_csv(args.csv, rows)
         return 0
-    if args.long_d2cache:
-        args.caches = args.caches or LONG_D2CACHE_MODES
-        args.unmask = "topk"
-    args.caches = args.caches or ["none", "prefix", "dual", "d2cache"]
-    args.block_length = args.block_length or 32
+    _apply_defaults(args)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     dtype = DTYPES[args.dtype]
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -117,18 +113,14 @@ def cmd_decode(args) -> int:
     for _ in range(args.batch):
         ids = torch.randint(0, c.vocab_size, (args.prompt_length,), generator=g).tolist()
         prompts.append([t if t not in special else 5 for t in ids])
-    base = config_from_generate_kwargs(
-        gen_length=args.gen_length, block_length=args.block_length, steps=args.steps or args.gen_length,
-        unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed,
-        max_blocks=args.max_blocks, time_layers=True,
-        alg=("confidence_threshold" if args.unmask == "threshold" else "entropy") if c.arch == "dream" else None)
+    configs = decode_configs(args, c.arch)
     print(f"model={label} dtype={args.dtype} threads={torch.get_num_threads()} batch={args.batch} "
           f"prompt={args.prompt_length} gen={args.gen_length} block={args.block_length} unmask={args.unmask}"
           f"{f' threshold={args.threshold}' if args.unmask == 'threshold' else ''}"
           f"{f' (first {args.max_blocks} block(s) only)' if args.max_blocks else ''}")
 
     rows, ran, first = [], [], None
-    for mode, config in mode_configs(args.caches, base, args.d2cache_block_length or args.gen_length):
+    for mode, config in configs:
         # d²Cache's policy times its own selection work (synchronised on a GPU).
         policy = D2Cache(sync_timing=True, **_d2cache_kwargs(config)) if config.cache.method == "d2cache" \
             else None
@@ -162,6 +154,29 @@ def cmd_decode(args) -> int:
     _print_table(rows)
     _write_csv(args.csv, rows)
     return 0
+
+
+def _apply_defaults(args) -> None:
+    if args.long_d2cache:
+        args.caches = args.caches or LONG_D2CACHE_MODES
+        args.unmask = "topk"
+    args.caches = args.caches or ["none", "prefix", "dual", "d2cache"]
+    args.block_length = args.block_length or 32
+
+
+def decode_configs(args, arch: str = "llada") -> list[tuple[str, object]]:
+    """``(mode, DecodeConfig)`` per ``--caches`` mode of parsed ``bench decode``
+    arguments (cost runs, not --task): the shape and reveal flags as the base,
+    each mode string on top (``mode_configs``)."""
+    from dllm_ops.config import config_from_generate_kwargs
+
+    _apply_defaults(args)
+    base = config_from_generate_kwargs(
+        gen_length=args.gen_length, block_length=args.block_length, steps=args.steps or args.gen_length,
+        unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed,
+        max_blocks=args.max_blocks, time_layers=True,
+        alg=("confidence_threshold" if args.unmask == "threshold" else "entropy") if arch == "dream" else None)
+    return mode_configs(args.caches, base, args.d2cache_block_length or args.gen_length)
 
 
 def mode_configs(modes, base, d2cache_block_length: int) -> list[tuple[str, object]]:
