@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant.packed import packed_k_groups, packed_k_layout
+from .packed_layout import packed_k_groups, packed_k_layout
 
 __all__ = ["cosine_drift"]
 __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
@@ -293,7 +293,7 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> Non
 
 
 # ---- family: quant -------------------------------------------------------------
-# The numerics of dllm_ops/quant/packed.py, op by op in torch; the outputs take
+# The numerics of dllm_ops/packed_layout.py, op by op in torch; the outputs take
 # their shapes and dtypes from its packed_k_layout (V's follow from d // group). Codes, scales,
 # mins and protected indices must equal the kernels' bit for bit: each step is
 # one fp32 torch op (a subtraction, a true division, torch.round = half to

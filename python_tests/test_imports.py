@@ -52,9 +52,6 @@ KNOWN_EXCEPTIONS: list[tuple[str, str]] = [
     # (function-local), which imports options: a circle; they belong in config.py
     # (or lm_eval_model.py), options keeping the text layer
     ("dllm_ops.options", "dllm_ops.config"),  # removed by the decode rewrite (issue 34)
-    # reference.py still imports the layout through quant/; it lives in
-    # dllm_ops.packed_layout now (a one-line change: from .packed_layout import ...)
-    ("dllm_ops.reference", "dllm_ops.quant.packed"),
 ]
 
 
