@@ -6,7 +6,8 @@ when it parses as JSON) and :func:`parse_pairs`. What the keys mean is one
 parser, :func:`dllm_ops.config.config_from_settings`: a dotted path of the
 :class:`~dllm_ops.config.DecodeConfig` (``cache.d2cache.rollout_p=0.2``) or a
 keyword of ``generate`` (``cache=dual``, ``d2cache.rollout_p=0.2``; lm-eval
-splits its arguments at commas, so a dict cannot be written inline there).
+splits its arguments at commas, so a dict cannot be written inline there);
+the keyword names are ``dllm_ops.config.KEYWORDS``.
 :func:`model_args_config` is lm-eval's use of it (dllm_ops/lm_eval_model.py),
 here so that it can be checked without lm_eval installed.
 """
@@ -16,15 +17,7 @@ import json
 
 from .errors import OptionError
 
-__all__ = ["OptionError", "generate_option_names", "parse_value", "parse_pairs",
-           "model_args_config"]
-
-
-def generate_option_names() -> list[str]:
-    """The keyword names of ``generate`` that text options may use besides the
-    configuration's dotted paths (``dllm_ops.config.KEYWORDS``)."""
-    from .config import KEYWORDS
-    return list(KEYWORDS)
+__all__ = ["OptionError", "parse_value", "parse_pairs", "model_args_config", "region_length"]
 
 
 def parse_value(text):

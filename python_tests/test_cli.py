@@ -121,7 +121,7 @@ def test_module_entry_point_exits_nonzero_without_traceback():
 def test_option_parsing():
     assert parse_pairs(["cache=dual", "threshold=0.9", "stop_at_eos=false", "sigma=null"]) == \
         dict(cache="dual", threshold=0.9, stop_at_eos=False, sigma=None)
-    names = set(dllm_ops.options.generate_option_names())
+    names = set(dllm_ops.config.KEYWORDS)   # generate's keyword names --set accepts
     assert {"cache", "gen_length", "threshold", "alg", "seed", "d2cache", "dare", "kv_quant"} <= names
     assert not names & {"model", "tokenizer_or_ids", "prompt", "messages", "policy", "config"}
 
