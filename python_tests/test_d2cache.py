@@ -10,6 +10,7 @@ import torch
 
 import dllm_ops
 from dllm_ops.decode import DecodeError
+from dllm_ops.errors import ConfigError
 from dllm_ops.models import load
 from dllm_ops.policies import D2Cache
 from ref_d2cache import density_fft, nucleus, ref_d2cache, rollout_dense
@@ -209,21 +210,23 @@ def test_stage1_window_reaches_the_block_of_the_kth_mask(llada):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(cache="d2cache", d2cache=dict(rollout_p=0.0)), "rollout_p must be in \\(0, 1\\]"),
-    (dict(cache="d2cache", d2cache=dict(rollout_p=1.5)), "rollout_p must be in \\(0, 1\\]"),
-    (dict(cache="d2cache", d2cache=dict(current_k=0)), "current_k must be an integer >= 1"),
-    (dict(cache="d2cache", d2cache=dict(current_k=2.5)), "current_k must be an integer >= 1"),
-    (dict(cache="d2cache", d2cache=dict(sigma=-1.0)), "d2cache sigma must be a finite number > 0"),
-    (dict(cache="d2cache", d2cache=dict(sigma=0.0)), "d2cache sigma must be a finite number > 0"),
-    (dict(cache="d2cache", d2cache=dict(k=3)), "unknown d2cache option"),
-    (dict(cache="dual", d2cache=dict(current_k=3)), "d2cache options given with cache='dual'"),
-    (dict(cache="none", d2cache={}), "d2cache options given with cache='none'"),
-    (dict(cache="d2cache", sigma=-0.5), "sigma must be a finite number >= 0"),
-    (dict(cache="none", sigma=float("nan")), "sigma must be a finite number >= 0"),
+    (dict(cache="d2cache", d2cache=dict(rollout_p=0.0)), r"cache.d2cache.rollout_p = 0.0: must be a number in \(0, 1\]"),
+    (dict(cache="d2cache", d2cache=dict(rollout_p=1.5)), r"cache.d2cache.rollout_p = 1.5: must be a number in \(0, 1\]"),
+    (dict(cache="d2cache", d2cache=dict(current_k=0)), "cache.d2cache.current_k = 0: must be an integer >= 1"),
+    (dict(cache="d2cache", d2cache=dict(current_k=2.5)), "cache.d2cache.current_k = 2.5: must be an integer >= 1"),
+    (dict(cache="d2cache", d2cache=dict(sigma=-1.0)), "cache.d2cache.density_sigma = -1.0: must be a finite number > 0"),
+    (dict(cache="d2cache", d2cache=dict(sigma=0.0)), "cache.d2cache.density_sigma = 0.0: must be a finite number > 0"),
+    (dict(cache="d2cache", d2cache=dict(k=3)), r"d2cache: unknown key\(s\) \['k'\]"),
+    (dict(cache="dual", d2cache=dict(current_k=3)), "cache.d2cache = .*: must be null with cache.method 'dual'"),
+    (dict(cache="none", d2cache={}), "cache.d2cache = .*: must be null with cache.method 'none'"),
+    (dict(cache="d2cache", sigma=-0.5), "reveal.prior_sigma = -0.5: must be a finite number >= 0"),
+    (dict(cache="none", sigma=float("nan")), "reveal.prior_sigma = nan: must be a finite number >= 0"),
 ])
 def test_bad_options(llada, kw, msg):
+    """Each bad option names its configuration field (the reveal's certainty prior
+    and d²Cache's density width are two fields with two names)."""
     model, _ = llada
-    with pytest.raises(ValueError, match="dllm_ops.generate: .*" + msg):
+    with pytest.raises(ConfigError, match="^dllm_ops config: " + msg):
         dllm_ops.generate(model, PROMPTS[0], gen_length=8, block_length=8, steps=8, **kw)
 
 

@@ -13,6 +13,7 @@ import torch
 
 import dllm_ops
 from dllm_ops.config import ReuseConfig
+from dllm_ops.errors import ConfigError
 from dllm_ops.dare import DRIFT_FLOOR, allocate_reuse, make_dare
 from dllm_ops.decode import DecodeError
 from dllm_ops.models import load
@@ -283,20 +284,20 @@ def test_drift_floor_is_documented_value():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(dare="qkv"), "unknown dare 'qkv'"),
-    (dict(dare="kv", dare_opts=dict(rho=1.0)), r"rho \(1.0\) must be in \[0, 1\)"),
-    (dict(dare="kv", dare_opts=dict(rho=-0.1)), r"rho \(-0.1\) must be in \[0, 1\)"),
-    (dict(dare="o", dare_opts=dict(tau=-0.5)), r"tau \(-0.5\) must be >= 0"),
-    (dict(dare="o", dare_opts=dict(rho=0.75, phi_max=0.5)), r"phi_max \(0.5\) must be >= rho"),
-    (dict(dare="o", dare_opts=dict(rho=0.5, phi_max=1.0)), r"phi_max \(1.0\) must be < 1"),
+    (dict(dare="qkv"), r"reuse.method = 'qkv': must be one of \['none', 'kv', 'o'\]"),
+    (dict(dare="kv", dare_opts=dict(rho=1.0)), r"reuse.rho = 1.0: must be a number in \[0, 1\)"),
+    (dict(dare="kv", dare_opts=dict(rho=-0.1)), r"reuse.rho = -0.1: must be a number in \[0, 1\)"),
+    (dict(dare="o", dare_opts=dict(tau=-0.5)), r"reuse.tau = -0.5: must be a finite number >= 0"),
+    (dict(dare="o", dare_opts=dict(rho=0.75, phi_max=0.5)), r"reuse.phi_max = 0.5: must be a number in \[rho \(0.75\), 1\)"),
+    (dict(dare="o", dare_opts=dict(rho=0.5, phi_max=1.0)), r"reuse.phi_max = 1.0: must be a number in \[rho \(0.5\), 1\)"),
     (dict(dare="kv", dare_opts=dict(rho=0.5, tau=0.1)), "exactly one of rho"),
     (dict(dare="kv", dare_opts=dict()), "exactly one of rho"),
-    (dict(dare="kv", dare_opts=dict(rho=0.5, phimax=0.9)), "unknown dare_opts key"),
+    (dict(dare="kv", dare_opts=dict(rho=0.5, phimax=0.9)), r"dare_opts: unknown key\(s\) \['phimax'\]"),
     (dict(dare_opts=dict(rho=0.5)), "without dare="),
 ])
 def test_bad_dare_input(ckpts, kw, msg):
     model, _ = ckpts["llada"]
-    with pytest.raises(DecodeError, match="^dllm_ops.generate: .*" + msg):
+    with pytest.raises(ConfigError, match="^dllm_ops config: .*" + msg):
         dllm_ops.generate(model, PROMPT, gen_length=8, block_length=8, steps=8, **kw)
 
 

@@ -6,6 +6,7 @@ import torch
 
 import dllm_ops
 from dllm_ops.decode import DecodeError, quota_schedule
+from dllm_ops.errors import DllmOpsError
 from dllm_ops.models import load
 from ref_generate import ref_dream_generate, ref_generate
 from ref_model import load_original
@@ -196,16 +197,18 @@ def test_dream_sampled_batch_equals_single(dream):
     (dict(alg="origin", cache="dual"), "only in its own loop"),
     (dict(alg="confidence_threshold", steps=4, block_length=6, gen_length=6), "divisible by its steps"),
     (dict(alg="entropy", steps=3), "multiple of the number of blocks"),
-    (dict(alg="bogus"), "unknown Dream alg"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"),
-    (dict(alg_temp=-1.0), "alg_temp"),
+    (dict(alg="bogus"), "reveal.alg = 'bogus': must be one of"),
+    (dict(top_p=1.5), r"reveal.top_p = 1.5: must be a number in \(0, 1\]"),
+    (dict(top_k=0), "reveal.top_k = 0: must be an integer >= 1"),
+    (dict(alg_temp=-1.0), "reveal.alg_temp = -1.0: must be a finite number >= 0"),
 ])
 def test_dream_bad_input(dream, kw, msg):
+    """Decode errors (the model's geometry) and configuration errors (a field's
+    value) are both DllmOpsErrors naming what is wrong."""
     _, model, _ = dream
     kw.setdefault("gen_length", 16)
     kw.setdefault("block_length", 8)
-    with pytest.raises(DecodeError, match=msg):
+    with pytest.raises(DllmOpsError, match=msg):
         dllm_ops.generate(model, [5, 6, 7], **kw)
 
 
@@ -283,7 +286,7 @@ def test_generate_with_tokenizer_and_chat_template(llada):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(gen_length=10, block_length=4), "multiple of block_length"),
+    (dict(gen_length=10, block_length=4), r"shape.gen_length = 10: must be a multiple of shape.block_length \(4\)"),
     (dict(gen_length=16, block_length=8, steps=3), "multiple of the number of blocks"),
     (dict(prompt_ids=[[]]), "prompt 0 is empty"),
     (dict(gen_length=256, block_length=8, steps=256), "exceeds the model's maximum"),
@@ -294,7 +297,7 @@ def test_generate_bad_input(llada, kw, msg):
     prompt = kw.pop("prompt_ids", [[5, 6, 7]])
     kw.setdefault("gen_length", 16)
     kw.setdefault("block_length", 8)
-    with pytest.raises(DecodeError, match=msg):
+    with pytest.raises(DllmOpsError, match=msg):
         dllm_ops.generate(model, prompt, **kw)
 
 

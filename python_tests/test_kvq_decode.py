@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import torch
 
 import dllm_ops
+from dllm_ops.errors import ConfigError
 from dllm_ops.models import load
 from dllm_ops.plan import KVCache, StepPlan
 from dllm_ops.policies import make_policy
@@ -234,22 +235,24 @@ def _table(model, cache="dual", bits=2, n=None):
 
 
 @pytest.mark.parametrize("case,msg", [
-    (dict(cache="none", kv_quant=dict(bits=4, method="kivi")), "needs cache='prefix' or 'dual'"),
-    (dict(kv_quant=dict(bits=3, method="kivi")), "bits must be 2 or 4"),
-    (dict(kv_quant=dict(bits=8, method="kivi")), "bits must be 2 or 4"),
-    (dict(kv_quant=dict(bits=4, method="gptq")), "method must be"),
-    (dict(kv_quant=dict(bits=4, method="kvq")), "needs policy="),
-    (dict(kv_quant=dict(bits=4, method="kivi", group=24)), "group must be"),
-    (dict(kv_quant=dict(bits=4, method="kivi", residual=4)), "unknown keys"),
-    (dict(kv_quant=4), "expected a dict"),
+    (dict(cache="none", kv_quant=dict(bits=4, method="kivi")),
+     r"storage.method = 'kivi': must be 'full' with cache.method 'none'"),
+    (dict(kv_quant=dict(bits=3, method="kivi")), r"storage.bits = 3: must be one of \[2, 4\]"),
+    (dict(kv_quant=dict(bits=8, method="kivi")), r"storage.bits = 8: must be one of \[2, 4\]"),
+    (dict(kv_quant=dict(bits=4, method="gptq")), r"storage.method = 'gptq': must be one of"),
+    (dict(kv_quant=dict(bits=4, method="kvq")), r"storage.table = None: must be a policy table"),
+    (dict(kv_quant=dict(bits=4, method="kivi", group=24)), r"storage.group = 24: must be one of"),
+    (dict(kv_quant=dict(bits=4, method="kivi", residual=4)), r"kv_quant: unknown key\(s\) \['residual'\]"),
+    (dict(kv_quant=4), "kv_quant = 4: must be an object"),
 ])
 def test_bad_kv_quant(llada, case, msg):
+    """A bad storage setting is refused by the configuration, naming the field and value."""
     model, _ = llada
     kw = dict(gen_length=16, block_length=8, unmask="threshold", cache="dual")
     kw.update(case)
-    with pytest.raises(ValueError, match=msg) as e:
+    with pytest.raises(ConfigError, match=msg) as e:
         dllm_ops.generate(model, PROMPTS[1], **kw)
-    assert str(e.value).startswith("dllm_ops.generate:")
+    assert str(e.value).startswith("dllm_ops config:")
 
 
 def test_bad_policy_tables(llada, dream, tmp_path):
@@ -286,7 +289,7 @@ def test_bad_policy_tables(llada, dream, tmp_path):
     path.write_text(text)
     ok = dllm_ops.generate(model, PROMPTS[1], kv_quant=dict(bits=2, method="kvq", policy=str(path)), **kw)
     assert PolicyTable.load(str(path)).layers[0].score == "attention" and ok.tokens.shape[1] == 16
-    with pytest.raises(ValueError, match="takes no policy"):
+    with pytest.raises(ConfigError, match=r"storage.table = .*: must be null with 'kivi'"):
         dllm_ops.generate(model, PROMPTS[1], kv_quant=dict(bits=2, method="kivi", policy=str(path)), **kw)
 
 

@@ -14,6 +14,7 @@ import torch
 import dllm_ops  # noqa: F401
 from dllm_ops.models import load, param_names
 from dllm_ops.tasks import TASKS, problems, vocab_ids
+from dllm_ops.policies import Policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPTS = os.path.join(ROOT, "dllm_ops", "checkpoints")
@@ -171,7 +172,7 @@ def random_ckpt(request, tmp_path_factory):
     return request.param, path, load(path, dtype=torch.float32)
 
 
-class _Recorder:
+class _Recorder(Policy):
     """Wraps a policy; records every plan's run positions and the decode state."""
 
     def __init__(self, inner):
@@ -191,6 +192,9 @@ class _Recorder:
 
     def on_step_end(self, state, commit):
         self.inner.on_step_end(state, commit)
+
+    def cache_config(self):
+        return self.inner.cache_config()
 
 
 PROMPTS = [[5, 9, 11, 30, 7, 8], [12, 40, 41, 6, 9, 10, 22, 50, 51]]

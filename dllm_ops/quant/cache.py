@@ -118,15 +118,15 @@ class QuantKVCache(KVCache):
             ops.rope_scatter_kv(q, k, v, positions, rope_table, self.k[layer], self.v[layer], idx)
             return
         if self.k[layer] is None:
-            raise ValueError("dllm_ops.generate: kv_quant: a model call before the block start "
-                             "(call QuantKVCache.begin_block first)")
+            raise DecodeError("packed storage: a model call before the block start "
+                              "(call QuantKVCache.begin_block first)")
         fs, fe = self.fresh
         real = idx >= 0
         outside = real & ((idx < fs) | (idx >= fe))
         if bool(outside.any()):
             pos = int(idx[outside][0])
-            raise ValueError(f"dllm_ops.generate: kv_quant: the plan recomputes position {pos}, which "
-                             f"is in the packed reused region (full precision holds [{fs}, {fe}))")
+            raise DecodeError(f"packed storage: the plan recomputes position {pos}, which "
+                              f"is in the packed reused region (full precision holds [{fs}, {fe}))")
         local = torch.where(real, idx - fs, torch.full_like(idx, -1))
         ops.rope_scatter_kv(q, k, v, positions, rope_table, self.k[layer], self.v[layer], local)
 
@@ -152,8 +152,8 @@ class QuantKVCache(KVCache):
         bs, be = self.block
         idx = self._idx
         if idx is None or probs.shape[1] != idx.shape[1]:
-            raise ValueError("dllm_ops.generate: kv_quant: the block-start call must attend with every "
-                             "row it writes (attention importance needs each query's position)")
+            raise DecodeError("packed storage: the block-start call must attend with every "
+                              "row it writes (attention importance needs each query's position)")
         in_block = ((idx >= bs) & (idx < be)).to(probs.dtype)            # [B, Q]
         total = (probs * in_block[..., None]).sum(1)                     # [B, T]
         return total / in_block.sum(1, keepdim=True).clamp_min(1)
