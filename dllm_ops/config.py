@@ -569,6 +569,36 @@ def parse_pairs(pairs: list[str]) -> dict:
         raise ConfigError(str(e).removeprefix("dllm_ops: ")) from None
 
 
+# ---- lm-eval's model_args -------------------------------------------------------------
+
+def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out |= _leaf_paths(value, path + ".") if isinstance(value, dict) and key != "table" else {path}
+    return out
+
+
+def config_from_model_args(settings: dict, max_gen_toks: int) -> tuple[DecodeConfig, set[str]]:
+    """lm-eval's decode ``model_args`` (every key but the model-loading ones) ->
+    ``(DecodeConfig, paths)`` through :func:`config_from_settings`;
+    ``paths`` are the dotted fields the settings set (``threshold`` ->
+    ``reveal.threshold``). Without a gen length in the settings the region is
+    ``max_gen_toks`` rounded up to a multiple of the block length."""
+    tree = settings_tree(settings)
+    paths = _leaf_paths(tree)
+    if "shape.gen_length" not in paths:
+        block = tree.get("shape", {}).get("block_length", ShapeConfig.block_length)
+        if isinstance(block, int) and not isinstance(block, bool) and block > 0:   # else: named below
+            settings = {**settings, "shape.gen_length": region_length(max_gen_toks, block)}
+    return config_from_settings(settings), paths
+
+
+def region_length(max_gen_toks: int, block_length: int) -> int:
+    """The generated region for ``max_gen_toks`` tokens: rounded up to whole blocks."""
+    return -(-max_gen_toks // block_length) * block_length
+
+
 # ---- the bench's short mode strings ---------------------------------------------------
 
 _MODE_D2CACHE_KEYS = {"k": "current_k", "p": "rollout_p", "sigma": "density_sigma"}
@@ -624,5 +654,5 @@ def mode_of(config: DecodeConfig) -> str:
 
 __all__ = ["DecodeConfig", "ShapeConfig", "RevealConfig", "CacheConfig", "D2CacheConfig",
            "ReuseConfig", "StorageConfig", "ConfigError", "config_from_generate_kwargs",
-           "config_from_settings", "config_from_mode", "mode_of", "merge", "parse_pairs",
-           "parse_value", "KEYWORDS"]
+           "config_from_settings", "config_from_mode", "config_from_model_args", "region_length",
+           "mode_of", "merge", "parse_pairs", "parse_value", "KEYWORDS"]

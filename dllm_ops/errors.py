@@ -10,7 +10,8 @@ already carries it is not prefixed twice.
 
 One class per area (what a caller may want to catch apart):
 
-- :class:`OptionError`: text options (``KEY=VALUE`` pairs, generate option names);
+- :class:`OptionError`: text options (``KEY=VALUE`` pairs); :class:`LmEvalArgError`
+  narrows it to lm-eval's model-loading arguments;
 - :class:`ConfigError`: a decode configuration (``dllm_ops.config``);
 - :class:`DecodeError`: options or inputs ``generate`` cannot decode with;
 - :class:`CheckpointError`: a checkpoint folder, its files, its dtype
@@ -30,22 +31,22 @@ class DllmOpsError(ValueError):
 
     #: the API the message is prefixed with
     api = "dllm_ops"
-    #: other prefixes a message may already carry from a site that writes its
-    #: own (kept as is, not prefixed again); empty unless a subclass says
-    also_prefixed: tuple[str, ...] = ()
 
     def __init__(self, message: str):
         message = str(message)
-        if not any(message.startswith(f"{p}: ") for p in (self.api, *self.also_prefixed)):
+        if not message.startswith(f"{self.api}: "):
             message = f"{self.api}: {message}"
         super().__init__(message)
 
 
 class OptionError(DllmOpsError):
-    """generate() options given as text (``--set``, lm-eval ``model_args``)."""
+    """Options given as text (``--set`` pairs, lm-eval ``model_args``)."""
     api = "dllm_ops"
-    # lm_eval_model.py words its own argument errors "dllm_ops lm_eval model: ...".
-    also_prefixed = ("dllm_ops lm_eval model",)
+
+
+class LmEvalArgError(OptionError):
+    """lm-eval's model-loading ``model_args`` (batch size, dtype, ...)."""
+    api = "dllm_ops lm_eval model"
 
 
 class ConfigError(DllmOpsError):
@@ -82,5 +83,5 @@ class CalibrationError(DllmOpsError):
     api = "dllm_ops.calibrate"
 
 
-__all__ = ["DllmOpsError", "OptionError", "ConfigError", "DecodeError", "CheckpointError",
+__all__ = ["DllmOpsError", "OptionError", "LmEvalArgError", "ConfigError", "DecodeError", "CheckpointError",
            "ModelConfigError", "PolicyTableError", "CalibrationError"]

@@ -12,7 +12,7 @@ auto: bf16 on CUDA, fp32 on CPU), ``device``, ``batch_size``, ``threads``,
 ``max_gen_toks``; every other key is a decode setting, parsed into one
 :class:`dllm_ops.config.DecodeConfig` by the parser the command line's
 ``--set`` uses (:func:`dllm_ops.config.config_from_settings`, through
-:func:`dllm_ops.options.model_args_config`): a dotted path of the
+:func:`dllm_ops.config.config_from_model_args`): a dotted path of the
 configuration (``cache.method=d2cache,cache.d2cache.rollout_p=0.2``,
 ``reuse.method=kv,reuse.rho=0.5``, ``storage.method=kivi,storage.bits=4``) or
 a keyword of ``generate`` (``cache=dual,threshold=0.9``,
@@ -41,7 +41,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 import dllm_ops
-from dllm_ops.options import OptionError, model_args_config, region_length
+from dllm_ops.config import config_from_model_args, region_length
+from dllm_ops.errors import LmEvalArgError
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _positive_int(name, value) -> int:
     ok = (isinstance(value, int) and not isinstance(value, bool)) or \
         (isinstance(value, str) and value.strip().isdigit())
     if not ok or int(value) <= 0:
-        raise OptionError(f"dllm_ops lm_eval model: {name} must be a positive integer, got {value!r}")
+        raise LmEvalArgError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
@@ -65,11 +66,11 @@ class DllmOpsLM(LM):
                  **decode_settings):
         super().__init__()
         if str(dtype) not in DTYPES:
-            raise OptionError(f"dllm_ops lm_eval model: dtype {dtype!r}; choose from {sorted(DTYPES)}")
+            raise LmEvalArgError(f"dtype {dtype!r}; choose from {sorted(DTYPES)}")
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         # the decode configuration, and which of its fields model_args set
-        self.decode_config, self._given = model_args_config(decode_settings, self.max_gen_toks)
+        self.decode_config, self._given = config_from_model_args(decode_settings, self.max_gen_toks)
         if threads is not None:
             torch.set_num_threads(_positive_int("threads", threads))
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -13,7 +13,7 @@ from bench.decode import add_parser as add_bench_decode
 from bench.decode import decode_configs
 from dllm_ops.cli import config_from_argv, main
 from dllm_ops.config import DecodeConfig, config_from_mode
-from dllm_ops.options import model_args_config
+from dllm_ops.config import config_from_model_args
 
 # What every case shares, in each entry point's own spelling: gen 64, block 16,
 # 64 calls, no EOS stop, per-layer timing (bench decode's fixed choices) and
@@ -80,7 +80,7 @@ def _split_model_args(text: str) -> dict:
 def _lm_eval_config(text: str) -> DecodeConfig:
     args = _split_model_args(text)
     decode = {k: v for k, v in args.items() if k not in LOADING_KEYS}
-    return model_args_config(decode, max_gen_toks=256)[0]
+    return config_from_model_args(decode, max_gen_toks=256)[0]
 
 
 def _bench_config(mode: str) -> DecodeConfig:

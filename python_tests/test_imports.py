@@ -48,10 +48,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 # (importer, imported): upward edges the code has today. Delete an entry with
 # the change that removes its import (the test fails on a stale entry).
 KNOWN_EXCEPTIONS: list[tuple[str, str]] = [
-    # options.generate_option_names and options.model_args_config import config
-    # (function-local), which imports options: a circle; they belong in config.py
-    # (or lm_eval_model.py), options keeping the text layer
-    ("dllm_ops.options", "dllm_ops.config"),  # removed by the decode rewrite (issue 34)
 ]
 
 
