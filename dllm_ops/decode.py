@@ -59,6 +59,14 @@ from .stats import DecodeStats, LayerTimes
 
 
 @dataclass
+class PendingCall:
+    """A model call planned by :meth:`Decoder.begin_call`, awaiting its logits."""
+    plan: StepPlan
+    first: bool                   # the block's first call
+    timer: LayerTimer | None
+
+
+@dataclass
 class GenerateOutput:
     tokens: torch.Tensor            # [B, gen_length] the whole generated region
     sequences: list[list[int]]      # per row, generated ids up to (excluding) the first EOS
@@ -139,10 +147,8 @@ class Decoder:
         """Run the next model call; False (and no call) once the decode is finished."""
         t0 = time.perf_counter()
         try:
-            s = self.state
-            while not (self.blocks_decoded and bool(s.candidates().any())):
-                if not self._open_next_block():
-                    return False
+            if not self.ready():
+                return False
             self._call()
             return True
         finally:
@@ -161,16 +167,30 @@ class Decoder:
         return True
 
     def _call(self) -> None:
+        call = self.begin_call()
+        logits = self.model.step(self.state.x, call.plan, self.state.cache,
+                                 return_probs=self.policy.wants_probs, reuse=self.reuse,
+                                 layer_timer=call.timer)
+        self.end_call(call, logits)
+
+    def begin_call(self) -> "PendingCall":
+        """The policy's plan for the next call (the block must be open and have
+        candidates: ``step`` sees to it); the model call itself is the caller's.
+        A server batching several decoders into one model call runs
+        ``begin_call`` on each, one model call, then ``end_call`` on each."""
         s, first = self.state, self.state.step == 0
         plan = self.policy.on_block_start(s) if first else self.policy.plan(s)
         if self.reuse is not None:
             self.reuse.begin_call(refresh=first)
         timer = LayerTimer(self.model.device) if self.layer_times is not None else None
-        logits = self.model.step(s.x, plan, s.cache, return_probs=self.policy.wants_probs,
-                                 reuse=self.reuse, layer_timer=timer)
-        if timer is not None:
-            self.layer_times.seconds.append(timer.seconds)
-            self.layer_times.block_start.append(first)
+        return PendingCall(plan, first, timer)
+
+    def end_call(self, call: "PendingCall", logits: torch.Tensor) -> None:
+        """Commit tokens from the call's ``[B, P, V]`` logits and advance the state."""
+        s, plan = self.state, call.plan
+        if call.timer is not None:
+            self.layer_times.seconds.append(call.timer.seconds)
+            self.layer_times.block_start.append(call.first)
         s.last_plan, s.last_logits, s.last_scores = plan, logits, None
         s.nfe += 1
         s.recomputed.append(plan.n_tokens)
@@ -180,6 +200,15 @@ class Decoder:
         s.step += 1
         if self.config.shape.stop_at_eos:
             self.eos_filled += finish_rows_at_eos(s).cpu()
+
+    def ready(self) -> bool:
+        """Open blocks until the current one has candidates; False once the decode is
+        finished (then no call is due)."""
+        s = self.state
+        while not (self.blocks_decoded and bool(s.candidates().any())):
+            if not self._open_next_block():
+                return False
+        return True
 
     def result(self) -> GenerateOutput:
         """The generated region, per-row sequences (up to EOS), text and stats."""
