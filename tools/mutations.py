@@ -332,6 +332,13 @@ MUTATIONS = [
              (T_DECODE + "test_batch_equals_single[cpu-topk-dual]",),
              "batch padding: left pads are outside attention", fast=True),
 
+    Mutation("stale-cache-restores-the-first-forward",
+             "dllm_ops/policies/diagnostic.py",
+             "            kc.copy_(k0)\n            vc.copy_(v0)\n",
+             "            pass\n",
+             ("python_tests/test_tiny_models.py::test_stale_cache_is_never_refreshed[llada]",),
+             "stale (diagnostic): every K/V is put back to the first forward's after each call"),
+
     # ==== Python: d2Cache ============================================================
     Mutation("d2cache-only-fresh-masks-are-candidates",
              "dllm_ops/commit.py",
