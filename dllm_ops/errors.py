@@ -19,7 +19,9 @@ One class per area (what a caller may want to catch apart):
   (a missing key, an unknown architecture);
 - :class:`PolicyTableError`: a dLLM-KVQ policy table (its file, its fields,
   or a model / cache / bits / group it was not made for);
-- :class:`CalibrationError`: the calibration tracer's inputs and artifacts.
+- :class:`CalibrationError`: the calibration tracer's inputs and artifacts;
+- :class:`ServeError`: an HTTP request the server refuses or fails (its status,
+  the OpenAI ``param`` and ``code``).
 
 This module imports nothing from dllm_ops: every layer may raise these.
 """
@@ -83,5 +85,17 @@ class CalibrationError(DllmOpsError):
     api = "dllm_ops.calibrate"
 
 
+class ServeError(DllmOpsError):
+    """A request the server (``python -m dllm_ops serve``) refuses or fails:
+    ``status`` is the HTTP status (400 for a bad request), ``param`` the request
+    field it concerns (OpenAI's error ``param``), ``code`` a short reason."""
+    api = "dllm_ops serve"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
 __all__ = ["DllmOpsError", "OptionError", "LmEvalArgError", "ConfigError", "DecodeError", "CheckpointError",
-           "ModelConfigError", "PolicyTableError", "CalibrationError"]
+           "ModelConfigError", "PolicyTableError", "CalibrationError", "ServeError"]

@@ -8,10 +8,10 @@ import pytest
 from dllm_ops import errors
 from dllm_ops.errors import (CalibrationError, CheckpointError, ConfigError, DecodeError,
                              DllmOpsError, LmEvalArgError, ModelConfigError, OptionError,
-                             PolicyTableError)
+                             PolicyTableError, ServeError)
 
 CLASSES = [OptionError, LmEvalArgError, ConfigError, DecodeError, CheckpointError, ModelConfigError,
-           PolicyTableError, CalibrationError]
+           PolicyTableError, CalibrationError, ServeError]
 
 
 def test_every_error_class_is_listed():
@@ -41,7 +41,7 @@ def test_prefixes_are_todays():
         "DecodeError": "dllm_ops.generate", "CheckpointError": "dllm_ops.load",
         "ModelConfigError": "dllm_ops.load",
         "PolicyTableError": "dllm_ops.generate: kv_quant policy",
-        "CalibrationError": "dllm_ops.calibrate"}
+        "CalibrationError": "dllm_ops.calibrate", "ServeError": "dllm_ops serve"}
     assert issubclass(ModelConfigError, CheckpointError)
     assert issubclass(LmEvalArgError, OptionError)
 
