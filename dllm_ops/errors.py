@@ -79,6 +79,11 @@ class PolicyTableError(DllmOpsError):
     api = "dllm_ops.generate: kv_quant policy"
 
 
+class TaskError(DllmOpsError):
+    """The task suite's names, splits and problem sizes (dllm_ops.tasks)."""
+    api = "dllm_ops.tasks"
+
+
 class CalibrationError(DllmOpsError):
     """The calibration tracer (``python -m dllm_ops.calibrate``): a bad
     schedule, score matrix, answer or trace artifact."""
@@ -97,5 +102,6 @@ class ServeError(DllmOpsError):
         self.param, self.code, self.status = param, code, status
 
 
-__all__ = ["DllmOpsError", "OptionError", "LmEvalArgError", "ConfigError", "DecodeError", "CheckpointError",
-           "ModelConfigError", "PolicyTableError", "CalibrationError", "ServeError"]
+__all__ = ["DllmOpsError", "OptionError", "LmEvalArgError", "ConfigError", "DecodeError",
+           "CheckpointError", "ModelConfigError", "PolicyTableError", "TaskError",
+           "CalibrationError", "ServeError"]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..errors import DllmOpsError
 from ..plan import KVCache, StepPlan
 from ..layer_timer import NO_TIMER
 from ..rope import rope_cos_sin
@@ -171,7 +172,7 @@ class DiffusionLM(nn.Module):
         row_of.scatter_(1, torch.where(idx >= 0, idx, T), torch.arange(Q, device=x.device).expand(B, Q))
         rows = torch.where(plan.logits_idx >= 0, row_of.gather(1, plan.logits_idx.clamp_min(0)), -1)
         if bool(((plan.logits_idx >= 0) & (rows < 0)).any()):
-            raise ValueError("dllm_ops: StepPlan.logits_idx names a position that plan.idx does not run")
+            raise DllmOpsError("StepPlan.logits_idx names a position that plan.idx does not run")
         hl = ops.gather_rows(self.norm(h), rows)
         return self.lm_head(hl)
 

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import TaskError
 from . import generators
 from .vocab import vocab_ids
 
@@ -69,14 +70,14 @@ def task_names(spec: str | Sequence[str] = "all") -> list[str]:
     names = list(TASKS) if spec == "all" else spec.split(",")
     bad = [n for n in names if n not in TASKS]
     if bad:
-        raise ValueError(f"dllm_ops.tasks: unknown task(s) {bad}; choose from {sorted(TASKS)} or 'all'")
+        raise TaskError(f"unknown task(s) {bad}; choose from {sorted(TASKS)} or 'all'")
     return names
 
 
 def sample(task: str, rng: random.Random, split: str = "train") -> Problem:
     """One problem of `task` from `split` (rejection-sampled on the prompt's split)."""
     if split not in SPLITS:
-        raise ValueError(f"dllm_ops.tasks: unknown split {split!r}; choose from {SPLITS}")
+        raise TaskError(f"unknown split {split!r}; choose from {SPLITS}")
     make = TASKS[task].make
     while True:
         p = _problem(task, *make(rng))
@@ -135,7 +136,7 @@ def pack(batch: Sequence[Problem], gen_length: int | None = None, with_answers: 
     valid = torch.zeros((B, T), dtype=torch.bool)
     for r, p in enumerate(batch):
         if len(p.answer_ids) > gen_length:
-            raise ValueError(f"dllm_ops.tasks: answer of {len(p.answer_ids)} tokens exceeds "
+            raise TaskError(f"answer of {len(p.answer_ids)} tokens exceeds "
                              f"gen_length {gen_length}")
         x[r, L - len(p.prompt_ids): L] = torch.tensor(p.prompt_ids)
         valid[r, L - len(p.prompt_ids):] = True
