@@ -1,4 +1,5 @@
-"""The command line: ``python -m dllm_ops generate --model PATH|NAME --prompt TEXT``.
+"""The command line: ``python -m dllm_ops generate --model PATH|NAME --prompt TEXT``
+(and ``python -m dllm_ops serve --model PATH|NAME``: dllm_ops/serve/command.py).
 
 What to decode is one :class:`dllm_ops.config.DecodeConfig`, built in this
 order: ``--config FILE.json`` (a DecodeConfig as JSON, whole or partial; the
@@ -63,12 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt text (repeat for a batch; required unless --print-config)")
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message in the model's chat template")
+    g.add_argument("--print-config", action="store_true",
+                   help="print the resolved decode configuration as JSON and exit (a --config file)")
+    add_decode_arguments(g)
+    add_model_arguments(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+    from .serve.command import add_server_arguments
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (dllm_ops/serve)",
+                       description="Serve a model over HTTP; the decode defaults are --config FILE "
+                                   "(or the defaults), then the flags and --set on top; each "
+                                   "request's max_tokens sets the region.")
+    s.add_argument("--model", required=True,
+                   help="checkpoint folder, or a shipped model: tiny-llada, tiny-dream")
+    add_server_arguments(s)
+    add_decode_arguments(s, region=False)
+    add_model_arguments(s)
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def add_decode_arguments(g, *, region: bool = True) -> None:
+    """The decode configuration's flags: --config, the dedicated flags, --set
+    (``region=False``: no --gen-length; the server takes it from each request)."""
     g.add_argument("--config", dest="config_file", metavar="FILE.json",
                    help="a decode configuration as JSON (DecodeConfig.to_json / --print-config); "
                         "flags and --set apply on top")
     g.add_argument("--cache", default=None, help="cache method: none | prefix | dual | d2cache "
                                                  "(default none)")
-    g.add_argument("--gen-length", type=int, default=None, help="generated tokens (default 128)")
+    if region:
+        g.add_argument("--gen-length", type=int, default=None, help="generated tokens (default 128)")
     g.add_argument("--block-length", type=int, default=None, help="block size (default 32)")
     g.add_argument("--steps", type=int, default=None, help="model-call budget (default gen-length)")
     g.add_argument("--unmask", default=None, help="LLaDA reveal rule: topk | threshold | factor")
@@ -81,15 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any configuration field by its path or generate() keyword, e.g. "
                         "--set cache.d2cache.rollout_p=0.2, --set reuse.method=kv --set reuse.rho=0.5, "
                         "--set stop_at_eos=false (values are JSON when they parse as JSON)")
-    g.add_argument("--print-config", action="store_true",
-                   help="print the resolved decode configuration as JSON and exit (a --config file)")
+
+
+def add_model_arguments(g) -> None:
+    """--dtype, --device, --threads (see :func:`load_model`)."""
     g.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="weights and activations (auto: fp32 on CPU, bf16 on CUDA)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.set_defaults(func=cmd_generate)
-    return p
 
 
 def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
@@ -100,40 +124,41 @@ def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
     return out
 
 
-def _load_config_file(path: str):
+def _load_config_file(path: str, command: str = "generate"):
     from .config import DecodeConfig
     from .errors import ConfigError
     try:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise UsageError(f"python -m dllm_ops generate: --config {path}: {e.strerror}") from None
+        raise UsageError(f"python -m dllm_ops {command}: --config {path}: {e.strerror}") from None
     except ValueError as e:
-        raise UsageError(f"python -m dllm_ops generate: --config {path}: not valid JSON ({e})") from None
+        raise UsageError(f"python -m dllm_ops {command}: --config {path}: not valid JSON ({e})") from None
     try:
         return DecodeConfig.from_dict(data)
     except ConfigError as e:
-        raise UsageError(f"python -m dllm_ops generate: --config {path}: {e}") from None
+        raise UsageError(f"python -m dllm_ops {command}: --config {path}: {e}") from None
 
 
 def decode_config(args):
-    """The DecodeConfig of parsed ``generate`` arguments: --config (or the
-    defaults), then the dedicated flags and --set, one parser for both."""
+    """The DecodeConfig of parsed ``generate`` (or ``serve``) arguments: --config
+    (or the defaults), then the dedicated flags and --set, one parser for both."""
     from .config import DecodeConfig, config_from_settings, parse_pairs, settings_tree
     from .errors import ConfigError
     from .options import OptionError
-    base = _load_config_file(args.config_file) if args.config_file else DecodeConfig()
+    command = getattr(args, "command", None) or "generate"
+    base = _load_config_file(args.config_file, command) if args.config_file else DecodeConfig()
     try:
         given = parse_pairs(args.options)
         from_set = _leaf_paths(settings_tree(given))
         settings = dict(given)
         for dest, path in FLAG_PATHS.items():
-            value = getattr(args, dest)
+            value = getattr(args, dest, None)   # serve has no --gen-length
             if value is None:
                 continue
             if path in from_set or path in settings:
                 flag = "--" + dest.replace("_", "-")
-                raise UsageError(f"python -m dllm_ops generate: {dest} is given both as {flag} "
+                raise UsageError(f"python -m dllm_ops {command}: {dest} is given both as {flag} "
                                  f"and --set")
             settings[path] = value
         return config_from_settings(settings, base)
@@ -147,6 +172,19 @@ def config_from_argv(argv: list[str]):
     return decode_config(build_parser().parse_args(argv))
 
 
+def load_model(args):
+    """``(model, device, dtype name)`` for --model, --dtype, --device, --threads."""
+    import torch
+
+    import dllm_ops
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = DTYPES[args.dtype] or ("bfloat16" if device.startswith("cuda") else "float32")
+    return dllm_ops.load(args.model, dtype=getattr(torch, dtype_name), device=device), device, dtype_name
+
+
 def cmd_generate(args) -> int:
     config = decode_config(args)   # configuration errors before the model loads
     if args.print_config:
@@ -157,15 +195,9 @@ def cmd_generate(args) -> int:
             raise UsageError(f"python -m dllm_ops generate: the following arguments are required: "
                              f"--{flag}")
 
-    import torch
-
     import dllm_ops
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = DTYPES[args.dtype] or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = dllm_ops.load(args.model, dtype=getattr(torch, dtype_name), device=device)
+    model, device, dtype_name = load_model(args)
     if args.chat:
         messages = [[{"role": "user", "content": p}] for p in args.prompt]
         out = dllm_ops.generate(model, model.tokenizer, config, messages=messages)
@@ -183,6 +215,13 @@ def cmd_generate(args) -> int:
           f"({s['tokens_per_s']:.1f} tok/s), tokens run {s['tokens_recomputed']} "
           f"({s['n_layers']} layers), cache {s['cache']}, reveal {s['reveal']}")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from .serve.command import serve
+    config = decode_config(args)   # configuration errors before the model loads
+    model, _, _ = load_model(args)
+    return serve(args, model, config)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,68 @@
+"""``python -m dllm_ops serve``: the server's flags and its process.
+
+    python -m dllm_ops serve --model PATH|tiny-llada|tiny-dream [--host 127.0.0.1] [--port 8000]
+        [--max-running N] [--kv-budget BYTES] [--max-queue N] [--request-timeout S]
+        [--drain-timeout S] [--served-model-name NAME]
+        [--config FILE.json] [--cache ...] [--threshold ...] [--set KEY=VALUE ...]
+        [--dtype ...] [--device ...] [--threads N]
+
+The decode defaults are built as ``generate``'s are (dllm_ops/cli.py:
+``--config``, the dedicated flags, ``--set`` through
+:func:`dllm_ops.config.config_from_settings`); a request's ``dllm`` field
+merges over them and its ``max_tokens`` sets the region.
+
+SIGTERM drains: new requests get 503, uvicorn waits up to ``--drain-timeout``
+for the answers in flight, the engine is shut down with the same bound, and
+the process exits 0. SIGINT (Ctrl+C) does the same and then exits as
+interrupted.
+"""
+from __future__ import annotations
+
+import os
+
+
+def add_server_arguments(p) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model's last path component)")
+    p.add_argument("--max-running", type=int, default=16,
+                   help="sequences decoded together at most (default 16)")
+    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+                   help="KV bytes the running sequences may hold (default: no limit)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot at most; beyond it 429 (default 64)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="a request's limit in seconds, queueing included (default: none)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, how long running requests may take to finish (default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def served_model_name(model_arg: str) -> str:
+    return os.path.basename(os.path.normpath(model_arg))
+
+
+def serve(args, model, defaults) -> int:
+    """Run the server until SIGTERM / SIGINT; 0 after a drain."""
+    import uvicorn
+
+    from .app import create_app
+    from .draining import DrainingServer
+    from .engine import Engine
+    from .metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    engine = Engine(model, model.tokenizer, max_running=args.max_running, kv_budget=args.kv_budget,
+                    max_queue=args.max_queue, metrics=metrics)
+    app = create_app(engine, model.tokenizer, args.served_model_name or served_model_name(args.model),
+                     defaults, context_length=model.config.max_seq_len, metrics=metrics,
+                     request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=args.drain_timeout)
+    server = DrainingServer(config, app.state.serving)
+    server.run()
+    if not server.started:
+        raise RuntimeError(f"the server did not start on {args.host}:{args.port} (see the log above)")
+    return 0
