@@ -3,6 +3,7 @@
   python -m bench ops [--op NAME] [--device cpu|cuda] [--dtype bf16 ...] [--threads N] [--csv FILE]
   python -m bench decode --model PATH|NAME | --synthetic llada-8b --layers 4   (bench/decode.py)
   python -m bench ab --base DIR --op NAME [--shape TEXT] [--rounds 6]   (two builds, bench/ab.py)
+  python -m bench serve --spawn tiny-llada | --url http://127.0.0.1:PORT   (the HTTP server, bench/serve.py)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     add_decode(sub)
     from bench.ab import add_parser as add_ab
     add_ab(sub)
+    from bench.serve import add_parser as add_serve
+    add_serve(sub)
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,282 @@
+"""Load on a running ``python -m dllm_ops serve``: throughput and latency per concurrency.
+
+    python -m bench serve --spawn tiny-llada [--requests 32] [--concurrency 1 4 16 64]
+                          [--time-limit 120] [--threads N] [--json FILE]
+    python -m bench serve --url http://127.0.0.1:8000 --model tiny-llada   (a server already up)
+
+Bounded and loopback only: each concurrency level sends a fixed number of
+streamed completions (``--requests``, at least the concurrency) from that
+many workers, and stops at ``--time-limit`` seconds (requests still open then
+are cancelled and counted as lost); ``--url`` must name 127.0.0.1, ::1 or
+localhost. The prompts are the task suite's held-out problems
+(dllm_ops.tasks, split "test", every task in turn, ``max_tokens`` = the task's
+region); each request carries the whole decode setting in its ``dllm`` field:
+Fast-dLLM's dual cache with the threshold rule at 0.9 in the suite's
+16-token blocks, so a server's own defaults do not matter.
+
+Per level: requests/s and generated tokens/s (usage's completion tokens over
+the level's wall time), time to the first streamed text, the gaps between
+streamed chunks, request latency (p50 / p99), errors (an HTTP error or an
+error event), lost requests (no finish_reason and ``[DONE]``), answers that
+differ from ``generate`` on the same prompt alone, and the throughput over
+the same prompts decoded one after another by in-process ``generate``
+(``x_seq``). ``--spawn`` starts the server with ``--max-running`` = the
+largest concurrency (``--threads`` torch threads, float32 on the CPU) and
+stops it with SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+SETTING = {"cache": {"method": "dual"}, "reveal": {"unmask": "threshold", "threshold": 0.9}}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str | None = None
+    text: str = ""
+    completion_tokens: int = 0
+    latency_s: float | None = None
+    first_text_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+
+
+def suite_prompts(n: int) -> list[Prompt]:
+    """``n`` held-out suite problems, the tasks interleaved."""
+    from dllm_ops.tasks import TASKS, problems
+    per = {t: problems(t, -(-n // len(TASKS)), seed=0, split="test") for t in TASKS}
+    out = []
+    for i in range(n):
+        task = list(TASKS)[i % len(TASKS)]
+        out.append(Prompt(per[task][i // len(TASKS)].prompt, TASKS[task].gen_length))
+    return out
+
+
+def decode_setting(block_length: int):
+    """The whole DecodeConfig of the bench (its region set per request by max_tokens)."""
+    from dllm_ops.config import DecodeConfig, merge
+    return merge(DecodeConfig(), {**SETTING, "shape": {"block_length": block_length}})
+
+
+def request_body(model: str, prompt: Prompt, block_length: int) -> dict:
+    tree = decode_setting(block_length).to_dict()
+    del tree["shape"]["gen_length"]
+    return {"model": model, "prompt": prompt.text, "max_tokens": prompt.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "dllm": tree}
+
+
+async def one_request(client, body: dict) -> Result:
+    """One streamed completion, timed from the send."""
+    res = Result()
+    t0 = time.perf_counter()
+    last = None
+    finish = done = False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    continue
+                if chunk.get("usage"):
+                    res.completion_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    now = time.perf_counter() - t0
+                    if choice.get("text"):
+                        res.text += choice["text"]
+                        if res.first_text_s is None:
+                            res.first_text_s = now
+                        else:
+                            res.gaps_s.append(now - last)
+                        last = now
+                    finish = finish or choice.get("finish_reason") is not None
+    except Exception as e:  # a dropped connection is a lost request, reported below
+        res.error = res.error or f"{type(e).__name__}: {e}"
+        return res
+    res.latency_s = time.perf_counter() - t0
+    res.ok = finish and done and res.error is None
+    return res
+
+
+async def run_level(url: str, model: str, prompts: list[Prompt], concurrency: int,
+                    time_limit: float, block_length: int) -> tuple[list[Result | None], float]:
+    """``prompts`` from ``concurrency`` workers; None for a request the time limit cut."""
+    import httpx2
+    results: list[Result | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx2.AsyncClient(base_url=url, timeout=httpx2.Timeout(time_limit), limits=limits,
+                                  trust_env=False) as client:
+        async def worker():
+            for i in todo:
+                results[i] = await one_request(client, request_body(model, prompts[i], block_length))
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        _, pending = await asyncio.wait(tasks, timeout=time_limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return results, time.perf_counter() - t0
+
+
+def sequential_generate(model_name: str, prompts: list[Prompt], block_length: int, threads: int | None):
+    """``(texts, wall seconds, generated tokens)``: each prompt alone through generate."""
+    import torch
+
+    import dllm_ops
+    from dllm_ops.config import region_length
+    if threads:
+        torch.set_num_threads(threads)
+    model = dllm_ops.load(model_name, dtype=torch.float32, device="cpu")
+    tok = model.tokenizer
+    base = decode_setting(block_length)
+    texts, tokens = [], 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        config = base.replace(shape=base.shape.replace(gen_length=region_length(p.max_tokens, block_length)))
+        out = dllm_ops.generate(model, tok, config, prompt=p.text)
+        seq = out.sequences[0][: p.max_tokens]
+        texts.append(tok.decode(seq))
+        tokens += len(seq)
+    return texts, time.perf_counter() - t0, tokens
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)   # nearest rank
+    return values[max(0, math.ceil(q / 100 * len(values)) - 1)]
+
+
+def summarize(concurrency: int, results: list[Result | None], wall: float, reference: list[str] | None,
+              seq_req_s: float | None) -> dict:
+    done = [r for r in results if r is not None]
+    ok = [r for r in done if r.ok]
+    lats = [r.latency_s for r in ok]
+    row = dict(concurrency=concurrency, requests=len(results), ok=len(ok),
+               errors=sum(1 for r in done if r.error is not None),
+               lost=sum(1 for r in results if r is None or (not r.ok and r.error is None)),
+               wall_s=wall, req_s=len(ok) / wall, tok_s=sum(r.completion_tokens for r in ok) / wall,
+               ttft_p50_ms=1e3 * _pct([r.first_text_s for r in ok if r.first_text_s is not None], 50),
+               ttft_p99_ms=1e3 * _pct([r.first_text_s for r in ok if r.first_text_s is not None], 99),
+               gap_p50_ms=1e3 * _pct([g for r in ok for g in r.gaps_s], 50),
+               gap_p99_ms=1e3 * _pct([g for r in ok for g in r.gaps_s], 99),
+               lat_p50_ms=1e3 * _pct(lats, 50), lat_p99_ms=1e3 * _pct(lats, 99))
+    if reference is not None:
+        row["differ"] = sum(1 for r, ref in zip(results, reference) if r is not None and r.ok and r.text != ref)
+    if seq_req_s:
+        row["x_seq"] = row["req_s"] / seq_req_s
+    return row
+
+
+COLUMNS = [("concurrency", "conc", "d"), ("requests", "reqs", "d"), ("ok", "ok", "d"),
+           ("errors", "err", "d"), ("lost", "lost", "d"), ("differ", "≠gen", "d"),
+           ("req_s", "req/s", ".2f"), ("tok_s", "tok/s", ".1f"), ("x_seq", "x_seq", ".2f"),
+           ("ttft_p50_ms", "ttft50", ".0f"), ("ttft_p99_ms", "ttft99", ".0f"),
+           ("gap_p50_ms", "gap50", ".0f"), ("gap_p99_ms", "gap99", ".0f"),
+           ("lat_p50_ms", "lat50", ".0f"), ("lat_p99_ms", "lat99", ".0f")]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table (milliseconds for the latencies)."""
+    cols = [c for c in COLUMNS if any(c[0] in r for r in rows)]
+    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(format(r[k], f) if k in r else "" for k, _, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def _check_loopback(url: str) -> str:
+    host = urlparse(url).hostname
+    if host not in LOOPBACK:
+        raise SystemExit(f"bench serve: --url must be a loopback address ({', '.join(LOOPBACK)}), "
+                         f"got {host!r}")
+    return url.rstrip("/")
+
+
+def cmd_serve(args) -> int:
+    from dllm_ops.tasks import BLOCK_LENGTH
+    levels = sorted(set(args.concurrency))
+    if min(levels) < 1 or args.requests < 1 or args.time_limit <= 0:
+        print("bench serve: --concurrency, --requests and --time-limit must be positive", file=sys.stderr)
+        return 2
+    model = args.spawn or args.model
+    prompts_by_level = {c: suite_prompts(max(args.requests, c)) for c in levels}
+    longest = prompts_by_level[levels[-1]]
+    reference = seq_req_s = None
+    if model:
+        texts, wall, tokens = sequential_generate(model, longest, BLOCK_LENGTH, args.threads)
+        reference, seq_req_s = texts, len(longest) / wall
+        print(f"sequential generate: {len(longest)} prompts in {wall:.2f} s = {seq_req_s:.2f} req/s, "
+              f"{tokens / wall:.1f} tok/s", flush=True)
+    server = None
+    if args.spawn:
+        from dllm_ops.serve.spawn import ServerProcess
+        extra = ["--max-running", str(levels[-1]), "--max-queue", str(4 * levels[-1]),
+                 "--log-level", "warning", "--dtype", "fp32", "--device", "cpu"]
+        if args.threads:
+            extra += ["--threads", str(args.threads)]
+        server = ServerProcess(args.spawn, extra, ready_timeout=args.time_limit)
+        url, served = server.url, args.served_model_name or args.spawn
+    else:
+        url, served = _check_loopback(args.url), args.served_model_name or args.model or "tiny-llada"
+    rows = []
+    try:
+        for c in levels:
+            prompts = prompts_by_level[c]
+            results, wall = asyncio.run(run_level(url, served, prompts, c, args.time_limit, BLOCK_LENGTH))
+            row = summarize(c, results, wall, reference[: len(prompts)] if reference else None, seq_req_s)
+            rows.append(row)
+            print(f"concurrency {c}: {row['ok']}/{row['requests']} ok, {row['req_s']:.2f} req/s, "
+                  f"{row['errors']} errors, {row['lost']} lost", flush=True)
+    finally:
+        if server is not None:
+            rc = server.terminate(args.time_limit)
+            print(f"server exited with status {rc} after SIGTERM")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(url=url, model=served, setting=SETTING, block_length=BLOCK_LENGTH,
+                           sequential_req_s=seq_req_s, rows=rows), f, indent=2)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="load on the HTTP server: throughput, latency per concurrency")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server on the loopback interface")
+    src.add_argument("--spawn", metavar="MODEL", help="start `python -m dllm_ops serve --model MODEL`")
+    p.add_argument("--model", help="with --url: the model for the sequential generate baseline "
+                                   "(omit to skip it)")
+    p.add_argument("--served-model-name", help="the model name the server answers to")
+    p.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--time-limit", type=float, default=120.0, help="seconds per level (and start-up)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (server and baseline)")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.set_defaults(func=cmd_serve)
