@@ -38,6 +38,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rot * sin).to(x.dtype)
 
 
+#: Token-row GEMMs (the MLP, the LM head) run on a multiple of this many rows.
+GEMM_ROW_TILE = 16
+
+
+def token_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` over ``x [..., C]`` with the token rows zero-padded to a
+    multiple of :data:`GEMM_ROW_TILE` (the padding rows are dropped).
+
+    Why: the CPU BLAS runs a GEMM of few rows (under ~12 here) through a
+    small-matrix path whose sums round differently from the same rows inside
+    a larger GEMM, so without the padding a token's MLP output would depend on
+    how many other tokens share the call. The server batches many decodes'
+    tokens into one call and promises each the numbers it gets alone
+    (python_tests/test_engine.py checks this bit for bit, float32 on the CPU).
+    """
+    rows = x.numel() // x.shape[-1]
+    pad = -rows % GEMM_ROW_TILE
+    if pad == 0:
+        return linear(x)
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))
+    return linear(flat)[:rows].reshape(*x.shape[:-1], linear.out_features)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -66,7 +89,7 @@ class Block(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ffn_norm(x)
-        return self.down(F.silu(self.gate(h)) * self.up(h))
+        return token_linear(self.down, F.silu(token_linear(self.gate, h)) * token_linear(self.up, h))
 
 
 class DiffusionLM(nn.Module):
@@ -149,32 +172,59 @@ class DiffusionLM(nn.Module):
         (:data:`FULL_RECOMPUTE`). ``layer_timer``
         (dllm_ops.layer_timer.LayerTimer) records each layer's time.
         """
-        idx = plan.idx
-        B, Q = idx.shape
-        T = x.shape[1]
-        safe = idx.clamp_min(0)
-        h = self.embed(x.gather(1, safe))
-        call = LayerCall(idx=idx, pos=cache.positions.gather(1, safe), table=self.rope_table(),
-                         scale=self.config.head_dim ** -0.5, cache=cache, return_probs=return_probs)
+        h = self.embed_tokens(x, plan.idx)
+        call = self.layer_call(plan.idx, cache, return_probs)
+        branch = FULL_RECOMPUTE if reuse is None else reuse
+        h = self.run_layers(h, lambda li, layer, a: branch.attention_branch(self, li, layer, a, call),
+                            NO_TIMER if layer_timer is None else layer_timer)
+        return self.logits_at(h, self.logit_rows(plan, x.shape[1]))
+
+    # ---- the pieces of `step` (the server's fused call over many decodes runs the same ones) ----
+    def embed_tokens(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[B, Q, C]`` of canvas ``x [B, T]`` at positions ``idx [B, Q]`` (−1 pads
+        embed position 0; their rows are never read)."""
+        return self.embed(x.gather(1, idx.clamp_min(0)))
+
+    def layer_call(self, idx: torch.Tensor, cache: KVCache, return_probs: bool) -> LayerCall:
+        """What every layer of a call over positions ``idx`` shares; empties the
+        cache's attention-row lists, which this call's layers fill again."""
+        call = LayerCall(idx=idx, pos=cache.positions.gather(1, idx.clamp_min(0)),
+                         table=self.rope_table(), scale=self.config.head_dim ** -0.5, cache=cache,
+                         return_probs=return_probs)
         cache.probs = []
         cache.probs_idx = []
-        branch = FULL_RECOMPUTE if reuse is None else reuse
-        timer = NO_TIMER if layer_timer is None else layer_timer
+        return call
+
+    def run_layers(self, h: torch.Tensor, attention, timer=NO_TIMER, per_token=None) -> torch.Tensor:
+        """Every layer over hidden states ``h``: ``h + attention(li, layer, attn_norm(h))``,
+        then ``h + mlp(h)``. ``per_token(fn, h)`` applies the token-wise parts (the
+        norm, the MLP); None applies them directly. The server's fused call passes
+        one that fails only the rows whose part raised."""
+        apply = per_token if per_token is not None else _apply
         for li, layer in enumerate(self.layers):
             timer.start()
-            h = h + branch.attention_branch(self, li, layer, layer.attn_norm(h), call)
-            h = h + layer.mlp(h)
+            h = h + attention(li, layer, apply(layer.attn_norm, h))
+            h = h + apply(layer.mlp, h)
             timer.stop()
-        # Rows of `h` that the plan wants logits for.
+        return h
+
+    def logit_rows(self, plan: StepPlan, T: int) -> torch.Tensor:
+        """``[B, P]``: the row of ``plan.idx`` holding each ``plan.logits_idx`` position
+        (−1 pads); a position the plan does not run is an error."""
+        idx = plan.idx
+        B, Q = idx.shape
         # Padding entries are routed to a spare column T so they cannot
         # overwrite the row of a real token at position 0.
-        row_of = torch.full((B, T + 1), -1, dtype=torch.long, device=x.device)
-        row_of.scatter_(1, torch.where(idx >= 0, idx, T), torch.arange(Q, device=x.device).expand(B, Q))
+        row_of = torch.full((B, T + 1), -1, dtype=torch.long, device=idx.device)
+        row_of.scatter_(1, torch.where(idx >= 0, idx, T), torch.arange(Q, device=idx.device).expand(B, Q))
         rows = torch.where(plan.logits_idx >= 0, row_of.gather(1, plan.logits_idx.clamp_min(0)), -1)
         if bool(((plan.logits_idx >= 0) & (rows < 0)).any()):
             raise DllmOpsError("StepPlan.logits_idx names a position that plan.idx does not run")
-        hl = ops.gather_rows(self.norm(h), rows)
-        return self.lm_head(hl)
+        return rows
+
+    def logits_at(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """LM-head logits ``[B, P, V]`` of the rows ``rows [B, P]`` of ``h`` (−1: zeros)."""
+        return token_linear(self.lm_head, ops.gather_rows(self.norm(h), rows))
 
 
 @dataclass
@@ -237,6 +287,10 @@ class FullRecompute:
 
 
 FULL_RECOMPUTE = FullRecompute()
+
+
+def _apply(fn, h: torch.Tensor) -> torch.Tensor:
+    return fn(h)
 
 
 def rows_of(t: torch.Tensor, rows: torch.Tensor, fill: int = -1) -> torch.Tensor:
