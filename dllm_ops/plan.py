@@ -94,6 +94,18 @@ class KVCache:
         returns ``(out [B, Q, H, d], probs [B, Q, T] or empty)``."""
         return ops.sparse_attention(q, self.k[layer], self.v[layer], self.key_valid, scale, return_probs)
 
+    def nbytes(self) -> int:
+        """Bytes the cache's K/V tensors hold now, over every layer."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+    @staticmethod
+    def full_nbytes(n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int,
+                    dtype) -> int:
+        """Bytes of an :meth:`empty` cache of this geometry (what it holds for its
+        whole decode): ``2 · layers · B · H_kv · T · d · itemsize``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layers * batch * n_kv_heads * length * head_dim * itemsize
+
     @staticmethod
     def empty(n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int,
               key_valid: torch.Tensor, dtype, device) -> "KVCache":

@@ -43,7 +43,7 @@ import torch
 from .. import ops
 from ..errors import DecodeError
 from ..plan import KVCache
-from .packed import PackedK, PackedV
+from .packed import PackedK, PackedV, packed_k_layout, packed_v_layout
 from .policy_table import LayerPolicy
 
 
@@ -158,8 +158,8 @@ class QuantKVCache(KVCache):
         total = (probs * in_block[..., None]).sum(1)                     # [B, T]
         return total / in_block.sum(1, keepdim=True).clamp_min(1)
 
-    def _segments(self):
-        bs, be = self.block
+    def _segments(self, bs: int, be: int):
+        """The reused column ranges while block ``[bs, be)`` decodes."""
         segs = [(0, bs)]
         if self.mode == "dual":
             segs.append((be, self.length))
@@ -183,7 +183,7 @@ class QuantKVCache(KVCache):
         attn = self._block_attention(probs) if probs is not None else None
         ran = (self._idx >= 0).any(1).tolist()
         segments = []
-        for s0, s1 in self._segments():
+        for s0, s1 in self._segments(*self.block):
             starts: dict[int, list[int]] = {}
             for r in range(self.batch):
                 start = max(s0, self.first_valid[r])
@@ -241,6 +241,52 @@ class QuantKVCache(KVCache):
                     total += t.numel() * t.element_size()
         return total
 
+    def nbytes(self) -> int:
+        """Bytes held now: :meth:`stored_bytes` plus the dequantization work
+        buffer once a call has allocated it."""
+        work = sum(t.numel() * t.element_size() for t in self._work) if self._work else 0
+        return self.stored_bytes() + work
+
+    def peak_nbytes(self, gen_start: int, block_length: int, num_blocks: int) -> int:
+        """The most bytes this cache holds over a decode of ``num_blocks`` blocks
+        of ``block_length`` from canvas column ``gen_start``, from the packed
+        layout (every row running every block): at a block start the layers
+        already packed hold their packed region and full-precision columns, the
+        layer being written its whole full-precision ``[B, H_kv, T, d]``, and the
+        work buffer is counted throughout. (Between a layer's pack and the
+        release of its full copy both exist for a moment; that is not counted.)"""
+        T, B, H, d = self.length, self.batch, self.n_kv_heads, self.head_dim
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        full_layer = 2 * B * H * T * d * itemsize
+        peak = 0
+        for b in range(num_blocks):
+            bs = gen_start + b * block_length
+            be = bs + block_length
+            segments = self._segments(bs, be)
+            fs, fe = (bs, be) if self.mode == "dual" else (bs, T)
+            fresh = 2 * B * H * (fe - fs) * d * itemsize
+            held = [self._packed_layer_bytes(segments, pol.p) + fresh for pol in self.layer_policy]
+            peak = max(peak, sum(held[:-1]) + max(full_layer, held[-1]))
+        return peak + self.work_bytes()
+
+    def _packed_layer_bytes(self, segments, protect_p: int) -> int:
+        """Bytes of one layer's packed K and V over ``segments`` (as :meth:`_pack_layer`
+        groups the rows: by each segment's first real column)."""
+        total = 0
+        for s0, s1 in segments:
+            starts: dict[int, int] = {}
+            for r in range(self.batch):
+                start = max(s0, self.first_valid[r])
+                if start < s1:
+                    starts[start] = starts.get(start, 0) + 1
+            for start, n in starts.items():
+                k = packed_k_layout(n, self.n_kv_heads, s1 - start, self.head_dim, self.bits,
+                                    self.group, protect_p, self.dtype)
+                v = packed_v_layout(n, self.n_kv_heads, s1 - start, self.head_dim, self.bits,
+                                    self.v_group, self.dtype)
+                total += sum(_spec_bytes(spec) for spec in (*k.values(), *v.values()))
+        return total
+
     def bf16_bytes(self) -> int:
         """A full-precision bf16 cache of the same canvas: ``L * 2 * B*H_kv*T*d * 2``."""
         return self.n_layers * 2 * self.batch * self.n_kv_heads * self.length * self.head_dim * 2
@@ -255,6 +301,13 @@ class QuantKVCache(KVCache):
                     work_bytes=self.work_bytes(),
                     k_bits=self.k_bits_stored / self.k_elems if self.k_elems else float("nan"),
                     v_bits=self.v_bits_stored / self.v_elems if self.v_elems else float("nan"))
+
+
+def _spec_bytes(spec) -> int:
+    n = 1
+    for dim in spec.shape:
+        n *= dim
+    return n * torch.empty((), dtype=spec.dtype).element_size()
 
 
 def _safe_max(x: torch.Tensor) -> torch.Tensor:
