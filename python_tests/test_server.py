@@ -12,6 +12,7 @@ request closed early and SIGTERM's drain. Every wait is bounded.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -257,3 +258,298 @@ def test_response_shapes():
     assert error_body("bad", status=429, param=None, code="queue_full") == {
         "error": {"message": "bad", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
     assert json.loads(sse(error_body("x", status=400))[6:])["error"]["type"] == "invalid_request_error"
+
+
+# ---- a real server (subprocess, loopback) -------------------------------------------------
+
+SERVER_FLAGS = ["--dtype", "fp32", "--device", "cpu", "--threads", "1", "--log-level", "warning",
+                "--cache", "dual", "--unmask", "threshold", "--threshold", "0.9", "--block-length", "16"]
+#: a slow decode: no cache, one token per call, EOS never committed (all max_tokens decode)
+SLOW = {"cache": {"method": "none"}, "reveal": {"unmask": "topk", "suppress_eos": True}}
+LONG = 224             # tokens of a slow request (14 blocks, one call each token)
+WAIT = 60.0            # bound on any one wait for the server
+
+
+def suite_prompt(i: int) -> str:
+    from dllm_ops.tasks import TASKS, problems
+    task = list(TASKS)[i % len(TASKS)]
+    return problems(task, i // len(TASKS) + 1, seed=0, split="test")[-1].prompt
+
+
+@pytest.fixture(scope="module")
+def server():
+    from dllm_ops.serve.spawn import ServerProcess
+    with ServerProcess(MODEL, SERVER_FLAGS, ready_timeout=WAIT) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=WAIT, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    import torch
+
+    import dllm_ops
+    return dllm_ops.load(MODEL, dtype=torch.float32, device="cpu")
+
+
+def http():
+    import httpx2
+    return httpx2.Client(timeout=WAIT, trust_env=False)
+
+
+def server_defaults():
+    from dllm_ops.cli import build_parser, decode_config
+    return decode_config(build_parser().parse_args(["serve", "--model", MODEL, *SERVER_FLAGS]))
+
+
+def expected(model, max_tokens: int, dllm: dict | None = None, seed: int | None = None,
+             temperature: float | None = None, **prompt):
+    """(text, completion tokens, finish_reason) of generate alone, as the server answers."""
+    import dllm_ops
+    from dllm_ops.config import merge
+    tree = {**(dllm or {})}
+    block = tree.get("shape", {}).get("block_length", 16)
+    tree["shape"] = {**tree.get("shape", {}), "gen_length": region_length(max_tokens, block)}
+    if seed is not None:
+        tree["shape"]["seed"] = seed
+    if temperature is not None:
+        tree["reveal"] = {**tree.get("reveal", {}), "temperature": temperature}
+    config = merge(server_defaults(), tree)
+    out = dllm_ops.generate(model, model.tokenizer, config, **prompt)
+    seq = out.sequences[0][:max_tokens]
+    return model.tokenizer.decode(seq), len(seq), "length" if len(seq) == max_tokens else "stop"
+
+
+def metric(url: str, name: str) -> float:
+    """One sample's value from /metrics (a series without labels)."""
+    with http() as c:
+        text = c.get(url + "/metrics").text
+    for line in text.splitlines():
+        if line.split(" ")[0] == name:
+            return float(line.split(" ")[1])
+    raise AssertionError(f"{name} not in /metrics:\n{text}")
+
+
+def wait_for_metric(url: str, name: str, value: float) -> None:
+    deadline = time.monotonic() + WAIT
+    while metric(url, name) != value:
+        assert time.monotonic() < deadline, f"{name} did not reach {value} within {WAIT} s"
+        time.sleep(0.02)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with http() as c:
+        assert c.get(server.url + "/health").json() == {"status": "ok"}
+        r = c.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "dllm_requests_total" in r.text
+
+
+@pytest.mark.parametrize("dllm", [
+    None,
+    {"cache": {"method": "none"}, "reveal": {"unmask": "topk"}},
+    {"cache": {"method": "d2cache", "d2cache": {"current_k": 4, "density_sigma": 3.0}},
+     "reveal": {"unmask": "topk"}},
+    {"reuse": {"method": "kv", "rho": 0.5}},
+    {"cache": {"method": "prefix"}, "storage": {"method": "kivi", "bits": 4}},
+], ids=["defaults", "none", "d2cache", "dare-kv", "kivi4"])
+def test_completion_equals_generate(client, model, dllm):
+    for i, max_tokens in enumerate((20, 48)):
+        prompt = suite_prompt(i)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=5,
+                                      extra_body={"dllm": dllm} if dllm else None)
+        text, n, finish = expected(model, max_tokens, dllm, seed=5, prompt=prompt)
+        assert r.choices[0].text == text
+        assert r.choices[0].finish_reason == finish
+        prompt_tokens = len(model.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+            (prompt_tokens, n, prompt_tokens + n)
+        assert r.object == "text_completion" and r.model == MODEL
+
+
+def test_chat_equals_generate(client, model):
+    messages = [{"role": "user", "content": suite_prompt(1).removeprefix("<bos> ")}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.0)
+    text, n, finish = expected(model, 16, messages=messages)
+    assert r.choices[0].message.role == "assistant"
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (text, finish)
+    assert r.usage.completion_tokens == n
+
+
+def test_sampling_follows_the_seed(client, model):
+    prompt = suite_prompt(2)
+    answers = {seed: client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, seed=seed,
+                                               temperature=1.0).choices[0].text for seed in (1, 2)}
+    for seed, text in answers.items():
+        assert text == expected(model, 32, seed=seed, temperature=1.0, prompt=prompt)[0]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_join_to_the_whole_answer(client, chat):
+    kw = dict(model=MODEL, max_tokens=48, seed=3, extra_body={"dllm": {"reveal": {"suppress_eos": True}}})
+    if chat:
+        kw["messages"] = [{"role": "user", "content": suite_prompt(3)}]
+        create = client.chat.completions.create
+    else:
+        kw["prompt"] = suite_prompt(3)
+        create = client.completions.create
+    whole = create(**kw)
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    usage = [c for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0] is chunks[-1] and chunks[-1].choices == []
+    assert usage[0].usage == whole.usage
+    choices = [c.choices[0] for c in chunks[:-1]]
+    assert [ch.finish_reason for ch in choices] == [None] * (len(choices) - 1) + ["length"]
+    deltas = [(ch.delta.content if chat else ch.text) or "" for ch in choices]
+    assert sum(1 for d in deltas if d) >= 3        # one at least per block of 16 tokens
+    assert "".join(deltas) == (whole.choices[0].message.content if chat else whole.choices[0].text)
+    if chat:
+        assert choices[0].delta.role == "assistant"
+
+
+def test_stop_string_cuts_and_ends_the_answer(client, model):
+    prompt = suite_prompt(4)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=48, extra_body={"dllm": {"reveal": {"suppress_eos": True}}})
+    full = client.completions.create(**kw).choices[0].text
+    words = full.split(" ")
+    stop = " ".join(words[5:7])
+    cut = full.find(stop)
+    r = client.completions.create(**kw, stop=[stop, "no such text"])
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    tok = model.tokenizer
+    assert r.usage.completion_tokens == len(tok(full[:cut] + stop, add_special_tokens=False)["input_ids"])
+    streamed = list(client.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == full[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def error_of(r) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body,param,code", [
+    (b'{"model": "tiny-llada", "prompt": "1 2",', None, "invalid_json"),
+    ({"model": MODEL, "prompt": "1 2", "logit_bias": {}}, "logit_bias", "unknown_field"),
+    ({"model": MODEL, "prompt": "1 2", "n": 2}, "n", None),
+    ({"model": MODEL, "prompt": "1 2", "max_tokens": "8"}, "max_tokens", "invalid_type"),
+    ({"model": MODEL, "prompt": "1 2", "max_tokens": 0}, "max_tokens", None),
+    ({"model": MODEL, "prompt": "1 2", "max_tokens": 1000}, "max_tokens", None),
+    ({"model": MODEL, "prompt": " ".join(["1"] * 250), "max_tokens": 8}, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "1 2", "dllm": {"cache": {"method": "fast"}}}, "dllm.cache.method",
+     "invalid_config"),
+    ({"model": MODEL, "prompt": "1 2", "dllm": {"cache": {"method": "d2cache"},
+                                                 "storage": {"method": "kivi", "bits": 4}}},
+     "dllm.storage.method", "invalid_config"),
+    ({"model": MODEL, "prompt": "1 2 <mask>"}, None, "invalid_request"),
+])
+def test_bad_requests_get_400_bodies(server, body, param, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with http() as c:
+        r = c.post(server.url + "/v1/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = error_of(r)
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    if param:
+        assert param.split(".")[-1] in err["message"]
+
+
+def test_openai_client_sees_the_error(client):
+    import openai
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="1 2", n=2)
+    assert info.value.status_code == 400 and info.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="1 2")
+    with http() as c:
+        assert c.get(client.base_url.__str__().rstrip("/") + "/nothing").status_code == 404
+
+
+@pytest.fixture(scope="module")
+def one_slot_server():
+    """One running sequence and one waiting at most."""
+    from dllm_ops.serve.spawn import ServerProcess
+    flags = SERVER_FLAGS + ["--max-running", "1", "--max-queue", "1"]
+    with ServerProcess(MODEL, flags, ready_timeout=WAIT) as s:
+        yield s
+
+
+def slow_body(stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": suite_prompt(0), "max_tokens": LONG, "stream": stream, "dllm": SLOW}
+
+
+def test_a_full_queue_answers_429(one_slot_server):
+    import threading
+    url = one_slot_server.url + "/v1/completions"
+    n = 6
+    barrier = threading.Barrier(n)
+    responses = [None] * n
+
+    def send(i):
+        with http() as c:
+            barrier.wait(WAIT)
+            responses[i] = c.post(url, json=slow_body())
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * WAIT)
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    full = next(r for r in responses if r.status_code == 429)
+    assert int(full.headers["retry-after"]) >= 1
+    err = error_of(full)
+    assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+    assert all(r.json()["usage"]["completion_tokens"] == LONG for r in responses if r.status_code == 200)
+
+
+def test_client_disconnect_frees_the_slot(one_slot_server):
+    url = one_slot_server.url
+    calls = metric(url, "dllm_model_calls_total")
+    with http() as c:
+        with c.stream("POST", url + "/v1/completions", json=slow_body(stream=True)) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()   # held: dropping the iterator would close the stream
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+            wait_for_metric(url, "dllm_running_sequences", 1)   # the gauge is set after the call
+        # the stream is closed here, long before its 224 tokens (about 2 s of decoding)
+    wait_for_metric(url, "dllm_running_sequences", 0)
+    assert metric(url, "dllm_model_calls_total") - calls < LONG    # it stopped early
+    with http() as c:
+        text = c.get(url + "/metrics").text
+    assert 'dllm_requests_total{status="499"} 1.0' in text
+    with http() as c:   # the one slot serves the next request
+        r = c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "1 2", "max_tokens": 4})
+    assert r.status_code == 200
+
+
+def test_sigterm_drains_and_exits_0():
+    from dllm_ops.serve.spawn import ServerProcess
+    server = ServerProcess(MODEL, SERVER_FLAGS + ["--drain-timeout", "60"], ready_timeout=WAIT)
+    try:
+        with http() as c:
+            with c.stream("POST", server.url + "/v1/completions", json=slow_body(stream=True)) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                server.proc.send_signal(__import__("signal").SIGTERM)
+                rest = [line for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(x[6:]) for x in [first, *rest[:-1]]]
+        assert rest[-1] == "data: [DONE]"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        text = "".join(ch["choices"][0]["text"] for ch in chunks)
+        assert len(text.split(" ")) == LONG        # the whole answer, after SIGTERM
+        assert server.proc.wait(WAIT) == 0
+    finally:
+        server.kill()

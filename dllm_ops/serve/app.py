@@ -25,14 +25,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..config import DecodeConfig
 from ..errors import DllmOpsError, ServeError
-from . import engine as engine_mod
 from .answer_text import AnswerText
 from .protocol import ChatCompletionRequest, CompletionRequest, DecodeJob, parse_body, prepare
+from .requests import Failed, Finished, Progress
+from .requests import Request as EngineRequest
 from .responses import SSE_DONE, ResponseShape, Usage, error_body, sse
 
 log = logging.getLogger("dllm_ops.serve")
@@ -65,7 +66,7 @@ async def _answer(job: DecodeJob, handle, events: _EventQueue, text: AnswerText)
     """``(text piece, None)`` while the answer grows, then ``(last piece, _Outcome)``."""
     while True:
         event = await events.queue.get()
-        if isinstance(event, engine_mod.Progress):
+        if isinstance(event, Progress):
             piece = text.update(list(event.token_ids)[: job.max_tokens])
             if piece.stopped:
                 handle.cancel()
@@ -73,7 +74,7 @@ async def _answer(job: DecodeJob, handle, events: _EventQueue, text: AnswerText)
                 return
             if piece.text:
                 yield piece.text, None
-        elif isinstance(event, engine_mod.Finished):
+        elif isinstance(event, Finished):
             piece = text.finish(list(event.token_ids)[: job.max_tokens])
             if piece.stopped:
                 outcome = _Outcome("stop", Usage(event.prompt_tokens, piece.completion_tokens))
@@ -81,7 +82,7 @@ async def _answer(job: DecodeJob, handle, events: _EventQueue, text: AnswerText)
                 outcome = _Outcome(event.finish_reason, Usage(event.prompt_tokens, event.completion_tokens))
             yield piece.text, outcome
             return
-        elif isinstance(event, engine_mod.Failed):
+        elif isinstance(event, Failed):
             raise ServeError(event.message, status=event.status, code="decode_failed")
 
 
@@ -105,7 +106,7 @@ class _App:
         message = str(e).removeprefix(f"{ServeError.api}: ")
         headers = None
         if e.status == 429:
-            retry = getattr(e.__cause__, "retry_after", None) or 1
+            retry = getattr(e, "retry_after", None) or 1
             headers = {"Retry-After": str(max(1, round(retry)))}
         return JSONResponse(error_body(message, status=e.status, param=e.param, code=e.code),
                             status_code=e.status, headers=headers)
@@ -125,16 +126,14 @@ class _App:
         return prepare(req, self.tokenizer, self.defaults, self.context_length)
 
     def submit(self, job: DecodeJob, request_id: str, events: _EventQueue):
-        request = engine_mod.Request(prompt_ids=job.prompt_ids, config=job.config,
+        request = EngineRequest(prompt_ids=job.prompt_ids, config=job.config,
                                      max_tokens=job.max_tokens, timeout_s=self.request_timeout,
                                      request_id=request_id)
         try:
             return self.engine.submit(request, events)
-        except engine_mod.QueueFull as e:
-            raise ServeError(str(e), status=429, code="queue_full") from e
-        except engine_mod.EngineStopped as e:
-            raise ServeError(str(e), status=503, code="draining") from None
-        except DllmOpsError as e:
+        except ServeError:   # QueueFull (429), EngineStopped (503), a refused request (400)
+            raise
+        except DllmOpsError as e:   # the decode's own checks (the prompt, the configuration)
             raise ServeError(str(e), code="invalid_request") from None
 
     async def complete(self, request: Request, kind, chat: bool):
@@ -241,8 +240,9 @@ def create_app(engine, tokenizer, model_name: str, defaults: DecodeConfig, *, co
 
     @app.get("/metrics")
     async def metrics_text():
-        body = metrics.render() if metrics is not None else ""
-        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+        if metrics is None:
+            return PlainTextResponse("")
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models():
