@@ -31,18 +31,19 @@ from dllm_ops.tasks import problems
 
 pytestmark = pytest.mark.models
 
-#: every method the issue names, plus DARE-O; each a partial DecodeConfig
+#: every method the issue names, plus DARE-O; each a partial DecodeConfig. Top-k
+#: reveals (one or two tokens per call) where a threshold would finish the tiny
+#: models' answers in one or two calls: every decode here spans several calls.
 METHODS = {
     "none": dict(cache=dict(method="none")),
     "dual": dict(cache=dict(method="dual"), reveal=dict(unmask="threshold", threshold=0.9)),
-    "d2cache": dict(cache=dict(method="d2cache", d2cache=dict(current_k=4)),
-                    reveal=dict(unmask="threshold")),
+    "d2cache": dict(cache=dict(method="d2cache", d2cache=dict(current_k=4))),
     "dare-kv": dict(cache=dict(method="dual"), reuse=dict(method="kv", rho=0.5),
                     reveal=dict(unmask="threshold")),
     "kivi4": dict(cache=dict(method="dual"), storage=dict(method="kivi", bits=4),
                   reveal=dict(unmask="threshold")),
     "dare-o": dict(cache=dict(method="prefix"), reuse=dict(method="o", tau=0.05),
-                   reveal=dict(unmask="threshold")),
+                   shape=dict(steps=8)),
 }
 # Prompts of three lengths (24, 18, 46 tokens) from the task suite the tiny models solve,
 # so answers are real: they end at an EOS ("stop") or run into max_tokens ("length").
@@ -59,9 +60,12 @@ def dream():
     return load("tiny-dream", dtype=torch.float32)
 
 
-def config(method: str, gen_length: int = 16, block_length: int = 8, **shape) -> DecodeConfig:
-    return DecodeConfig.from_dict({"shape": dict(gen_length=gen_length, block_length=block_length,
-                                                 **shape), **METHODS[method]})
+def config(method: str, gen_length: int = 16, block_length: int = 8) -> DecodeConfig:
+    tree = {k: dict(v) for k, v in METHODS[method].items()}
+    steps = tree.pop("shape", {}).get("steps")        # per 16 tokens of region
+    shape = dict(gen_length=gen_length, block_length=block_length,
+                 steps=None if steps is None else steps * gen_length // 16)
+    return DecodeConfig.from_dict({"shape": shape, **tree})
 
 
 def alone(model, ids, cfg, max_tokens):
@@ -103,7 +107,7 @@ def run_until_idle(engine, limit=500):
     raise AssertionError("the engine did not finish within the tick limit")
 
 
-def check_answers(model, submitted):
+def check_answers(model, submitted, min_calls=1):
     """Every finished request equals generate alone; its stream adds up to its answer."""
     for name, (ids, cfg, max_tokens, events) in submitted.items():
         fin = events.final
@@ -113,6 +117,7 @@ def check_answers(model, submitted):
         assert fin.finish_reason == reason, name
         assert events.streamed() == want, name
         assert fin.completion_tokens == len(want) and fin.prompt_tokens == len(ids)
+        assert fin.stats.nfe >= min_calls, name
 
 
 # ---- batch invariance ------------------------------------------------------------------
@@ -149,7 +154,7 @@ def test_batch_invariance_with_requests_joining_and_leaving(arch, request):
     assert not anchor.done()                                      # all of it happened mid-decode
     run_until_idle(engine)
     del submitted["doomed"]
-    check_answers(model, submitted)
+    check_answers(model, submitted, min_calls=2)       # every decode spanned several calls
     assert engine.running == 0 and engine.kv_bytes_reserved == 0 and engine.kv_bytes_in_use() == 0
 
 
@@ -374,15 +379,24 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
     kw = dict(policy=FailsOnCall(2)) if fault == "policy" else \
         dict(reuse=RaisingReuse()) if fault == "attention" else {}
     engine = FaultyEngine(llada, **kw)
+    raised = []
     if fault == "batched mlp":
         from dllm_ops.models.transformer import Block
-        mlp = Block.mlp
+        from dllm_ops.serve import fused
+        mlp, init, current = Block.mlp, fused._PackedTokens.__init__, {}
 
-        def only_one_row(self, x):
-            if x.shape[0] > 1:
+        def remember(self, parts):
+            init(self, parts)
+            current["call"] = self
+
+        def refuses_several_rows(self, x):
+            call = current.get("call")
+            if call is not None and len(call.alive()) > 1 and x.shape[1] == call.tokens:
+                raised.append(x.shape[1])
                 raise RuntimeError("batched MLP fault on purpose")
             return mlp(self, x)
-        monkeypatch.setattr(Block, "mlp", only_one_row)
+        monkeypatch.setattr(fused._PackedTokens, "__init__", remember)
+        monkeypatch.setattr(Block, "mlp", refuses_several_rows)
     # top-k: one token per call, so the bad request is still decoding at its 2nd and 3rd calls
     bad_config = DecodeConfig.from_dict(dict(shape=dict(gen_length=16, block_length=8),
                                              cache=dict(method="dual")))
@@ -396,6 +410,7 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
     run_until_idle(engine)
     monkeypatch.undo()
     if fault == "batched mlp":
+        assert len(raised) >= 4                    # the batched MLP failed in every layer of a call
         submitted["bad"] = (PROMPTS[0], bad_config, 16, bad_events)
     else:
         assert bad.outcome.status == 500

@@ -8,15 +8,15 @@ own logits rows. :func:`fused_step` runs the pieces of ``DiffusionLM.step``
 (``embed_tokens``, ``layer_call``, ``run_layers``, ``logit_rows``,
 ``logits_at``), split in two kinds:
 
-- **batched over every row**: the embedding gather, the RMSNorms, the MLPs and
-  the LM head. Each is a token-wise function of a row's own hidden states and
-  the shared weights; the rows are padded to the longest plan (−1 positions)
-  and the longest canvas, and the padding is never read back.
-- **per row**: the attention branch. Each row runs its own rule
-  (``FULL_RECOMPUTE`` or its own DARE-KV / DARE-O object) with its own
-  ``LayerCall`` (positions, RoPE, its cache, whether its policy records
-  attention rows for d²Cache) on its own slice of the batch, which has exactly
-  the shape it has when the row decodes alone.
+- **batched over every row**: the RMSNorms, the MLPs and the LM head. Each is
+  a token-wise function of a token's own hidden state and the shared weights,
+  so it runs once over every planned token of every row, packed one after
+  another into ``[1, tokens, C]`` (no padding to the longest plan).
+- **per row**: the embedding gather and the attention branch. Each row runs
+  its own rule (``FULL_RECOMPUTE`` or its own DARE-KV / DARE-O object) with its
+  own ``LayerCall`` (positions, RoPE, its cache, whether its policy records
+  attention rows for d²Cache) on its own tokens, viewed as the ``[B, Q, C]``
+  it has when the row decodes alone.
 
 The batching rule that follows: **every running request shares every model
 call, whatever its configuration**. Cache method, DARE, packed storage, reveal
@@ -29,9 +29,9 @@ python_tests/test_engine.py): the per-row parts run on the same shapes as
 alone, and the batched parts are row-independent (``token_linear`` keeps the
 BLAS on one GEMM path whatever the row count; the norms reduce per token).
 
-A row whose own part raises (its attention branch, its plan's logits check,
-or -- when the batched version of a token-wise part raises -- that part run
-on its slice alone) is failed and takes no further part in the call; the
+A row whose own part raises (its embedding, its attention branch, its plan's
+logits check, or -- when the batched version of a token-wise part raises --
+that part run on its own tokens alone) is failed and takes no further part in the call; the
 other rows finish the call unchanged. Nothing is re-run, so no row's cache,
 DARE state or packed storage is advanced twice.
 """
@@ -79,35 +79,34 @@ class _Timers:
             t.stop()
 
 
-class _FusedBatch:
-    """The padded batch of a fused call: where each part's rows sit, and which failed."""
+class _PackedTokens:
+    """Where each part's tokens sit in the fused call's packed hidden states
+    ``[1, tokens, C]`` (part i: its ``B_i x Q_i`` plan rows, row-major, from
+    ``start[i]``), and which parts failed. Packing instead of padding every part
+    to the longest plan keeps a block-start call (every canvas token) from
+    multiplying the other parts' MLP and LM-head rows."""
 
     def __init__(self, parts: list[RowCall]):
         self.parts = parts
-        self.offsets, at = [], 0
+        self.start, at = [], 0
         for p in parts:
-            self.offsets.append(at)
-            at += p.x.shape[0]
-        self.rows = at
-        self.widths = [p.plan.idx.shape[1] for p in parts]
+            self.start.append(at)
+            at += p.plan.idx.numel()
+        self.tokens = at
         self.failed: dict[int, Exception] = {}
 
     def alive(self):
         return [i for i in range(len(self.parts)) if i not in self.failed]
 
-    def slab(self, i: int) -> slice:
-        return slice(self.offsets[i], self.offsets[i] + self.parts[i].x.shape[0])
+    def span(self, i: int) -> slice:
+        return slice(self.start[i], self.start[i] + self.parts[i].plan.idx.numel())
 
-    def pad(self, tensors: list[torch.Tensor | None], fill: int) -> torch.Tensor:
-        """Per-part ``[B_i, n_i]`` int tensors stacked into ``[rows, max n]``; ``fill``
-        pads them and stands for a part given as None (a failed one)."""
-        given = [t for t in tensors if t is not None]
-        width = max(t.shape[1] for t in given)
-        out = torch.full((self.rows, width), fill, dtype=given[0].dtype, device=given[0].device)
-        for i, t in enumerate(tensors):
-            if t is not None:
-                out[self.slab(i), :t.shape[1]] = t
-        return out
+    def part(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Part ``i``'s rows of packed ``h [1, tokens, C]`` as its own ``[B_i, Q_i, C]``."""
+        return h[0, self.span(i)].reshape(*self.parts[i].plan.idx.shape, h.shape[-1])
+
+    def put(self, out: torch.Tensor, i: int, value: torch.Tensor) -> None:
+        out[0, self.span(i)] = value.reshape(-1, value.shape[-1])
 
     def guarded(self, i: int, fn):
         """``fn()`` for part ``i``; an exception fails the part and gives None."""
@@ -118,18 +117,27 @@ class _FusedBatch:
             return None
 
     def per_token(self, fn, h: torch.Tensor) -> torch.Tensor:
-        """A token-wise part over the whole batch; if that raises, over each
-        live part's slice alone (a part whose slice raises fails)."""
+        """A token-wise part over every packed token; if that raises, over each
+        live part's tokens alone (a part whose tokens raise fails)."""
         try:
             return fn(h)
-        except Exception:   # noqa: BLE001 -- find the rows that fail alone
+        except Exception:   # noqa: BLE001 -- find the parts that fail alone
             out = torch.zeros_like(h)
             for i in self.alive():
-                rows, w = self.slab(i), self.widths[i]
-                part = self.guarded(i, lambda: fn(h[rows, :w].contiguous()))
-                if part is not None:
-                    out[rows, :w] = part
+                value = self.guarded(i, lambda: fn(self.part(h, i)))
+                if value is not None:
+                    self.put(out, i, value)
             return out
+
+    def logit_rows(self, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``[1, R]``: every live part's logit rows (``[B_i, P_i]`` row numbers into its
+        own plan, −1 pads) as rows of the packed tokens, part after part."""
+        flat = []
+        for i, r in rows.items():
+            B, Q = self.parts[i].plan.idx.shape
+            base = self.start[i] + Q * torch.arange(B, device=r.device)[:, None]
+            flat.append(torch.where(r >= 0, r + base, torch.full_like(r, -1)).reshape(-1))
+        return torch.cat(flat)[None]
 
 
 @torch.no_grad()
@@ -138,50 +146,44 @@ def fused_step(model: DiffusionLM, parts: list[RowCall]) -> list[torch.Tensor | 
     ``model.step`` returns for it alone) or the exception that failed it."""
     if not parts:
         return []
-    batch = _FusedBatch(parts)
-    x = batch.pad([p.x for p in parts], model.config.pad_id)
-    idx = batch.pad([p.plan.idx for p in parts], -1)
-    try:
-        h = model.embed_tokens(x, idx)
-    except Exception:   # noqa: BLE001 -- find the rows that fail alone
-        h = torch.zeros((batch.rows, idx.shape[1], model.config.hidden_size), dtype=model.dtype,
-                        device=model.device)
-        for i, p in enumerate(parts):
-            part = batch.guarded(i, lambda: model.embed_tokens(p.x, p.plan.idx))
-            if part is not None:
-                h[batch.slab(i), :batch.widths[i]] = part
-    calls, logit_rows = {}, {}
-    for i in batch.alive():
-        p = parts[i]
-        calls[i] = batch.guarded(i, lambda: model.layer_call(p.plan.idx, p.cache, p.return_probs))
-        logit_rows[i] = batch.guarded(i, lambda: model.logit_rows(p.plan, p.x.shape[1]))
+    packed = _PackedTokens(parts)
+    h = torch.zeros((1, packed.tokens, model.config.hidden_size), dtype=model.dtype, device=model.device)
+    calls, rows = {}, {}
+    for i, p in enumerate(parts):
+        emb = packed.guarded(i, lambda: model.embed_tokens(p.x, p.plan.idx))
+        if emb is None:
+            continue
+        packed.put(h, i, emb)
+        calls[i] = packed.guarded(i, lambda: model.layer_call(p.plan.idx, p.cache, p.return_probs))
+        rows[i] = packed.guarded(i, lambda: model.logit_rows(p.plan, p.x.shape[1]))
 
     def attention(li, layer, a):
         out = torch.zeros_like(a)
-        for i in batch.alive():
-            rows, w = batch.slab(i), batch.widths[i]
+        for i in packed.alive():
             branch = FULL_RECOMPUTE if parts[i].reuse is None else parts[i].reuse
-            part = batch.guarded(i, lambda: branch.attention_branch(
-                model, li, layer, a[rows, :w].contiguous(), calls[i]))
-            if part is not None:
-                out[rows, :w] = part
+            value = packed.guarded(i, lambda: branch.attention_branch(
+                model, li, layer, packed.part(a, i), calls[i]))
+            if value is not None:
+                packed.put(out, i, value)
         return out
 
     timers = _Timers(p.timer for p in parts)
-    h = model.run_layers(h, attention, timers if timers.timers else NO_TIMER, batch.per_token)
-    alive = batch.alive()
-    results: list = [batch.failed.get(i) for i in range(len(parts))]
+    h = model.run_layers(h, attention, timers if timers.timers else NO_TIMER, packed.per_token)
+    results: list = [packed.failed.get(i) for i in range(len(parts))]
+    alive = packed.alive()
     if not alive:
         return results
-    rows = batch.pad([logit_rows.get(i) if i in alive else None for i in range(len(parts))], -1)
+    live_rows = {i: rows[i] for i in alive}
     try:
-        logits = model.logits_at(h, rows)
+        logits = model.logits_at(h, packed.logit_rows(live_rows))[0]
+        at = 0
         for i in alive:
-            # a copy: a decoder keeps its last logits, which must not pin the whole batch's
-            results[i] = logits[batch.slab(i), :logit_rows[i].shape[1]].clone()
-    except Exception:   # noqa: BLE001 -- find the rows that fail alone
+            n = live_rows[i].numel()
+            # a copy: a decoder keeps its last logits, which must not pin the whole call's
+            results[i] = logits[at:at + n].reshape(*live_rows[i].shape, -1).clone()
+            at += n
+    except Exception:   # noqa: BLE001 -- find the parts that fail alone
         for i in alive:
-            r, w = batch.slab(i), batch.widths[i]
-            part = batch.guarded(i, lambda: model.logits_at(h[r, :w].contiguous(), logit_rows[i]))
-            results[i] = part if part is not None else batch.failed[i]
+            value = packed.guarded(i, lambda: model.logits_at(packed.part(h, i), rows[i]))
+            results[i] = value if value is not None else packed.failed[i]
     return results
