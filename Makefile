@@ -101,6 +101,21 @@ tiny-models: build
 	$(VPY) scripts/train_tiny.py --model tiny-dream; b=$$?; \
 	wait $$a; c=$$?; cat build/train-tiny-llada.log; test $$b -eq 0 -a $$c -eq 0
 
+# ---- serving -----------------------------------------------------------------
+# The shipped tiny-llada over HTTP (OpenAI API: python -m dllm_ops serve,
+# dllm_ops/serve) on 127.0.0.1:$(SERVE_PORT), Fast-dLLM's dual cache with the
+# threshold rule in the task suite's 16-token blocks; SIGTERM (or Ctrl+C)
+# drains and stops it. `make bench-serve` starts its own server and loads it
+# at concurrency 1, 4, 16, 64 (bench/serve.py).
+SERVE_PORT ?= 8000
+SERVE_ARGS ?= --cache dual --unmask threshold --threshold 0.9 --block-length 16
+.PHONY: serve bench-serve
+serve: build
+	$(VPY) -m dllm_ops serve --model tiny-llada --host 127.0.0.1 --port $(SERVE_PORT) $(SERVE_ARGS)
+
+bench-serve: build
+	$(VPY) -m bench serve --spawn tiny-llada --requests 32 --time-limit 120
+
 # ---- GPU machine -------------------------------------------------------------
 # One prepared command for a machine with a GPU (scripts/gpu_check.sh): that
 # machine's python3, nothing installed; builds for sm_90, runs the whole suite's
