@@ -553,3 +553,105 @@ def test_sigterm_drains_and_exits_0():
         assert server.proc.wait(WAIT) == 0
     finally:
         server.kill()
+
+
+# ---- the app in-process over a real engine (faults, timeouts, draining) --------------------
+
+def call_app(app, *requests):
+    """``(method, path, json body)`` requests sent at once to the ASGI app; their responses."""
+    import asyncio
+
+    import httpx2
+
+    async def go():
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://app",
+                                      timeout=WAIT) as c:
+            return await asyncio.gather(*(c.request(m, p, json=b) for m, p, b in requests))
+    return asyncio.run(go())
+
+
+class PlanFaultOnSub:
+    """Builds the decoders of the suite's "sub" prompts with a dual cache whose
+    second call's plan raises (a fault inside one sequence's decode)."""
+
+    @staticmethod
+    def engine(model, **kw):
+        from dllm_ops.decode import Decoder
+        from dllm_ops.policies import DualCache
+        from dllm_ops.serve import Engine
+        sub_id = model.tokenizer.convert_tokens_to_ids("sub")
+
+        class FailingPlan(DualCache):
+            calls = 0
+
+            def _second_call_fails(self):
+                self.calls += 1
+                if self.calls == 2:
+                    raise RuntimeError("a plan fault on purpose")
+
+            def on_block_start(self, state):
+                self._second_call_fails()
+                return super().on_block_start(state)
+
+            def plan(self, state):
+                self._second_call_fails()
+                return super().plan(state)
+
+        class SubFaultEngine(Engine):
+            def build_decoder(self, request):
+                if sub_id not in request.prompt_ids:
+                    return super().build_decoder(request)
+                return Decoder(self.model, [list(request.prompt_ids)], request.config, policy=FailingPlan())
+
+        return SubFaultEngine(model, model.tokenizer, **kw)
+
+
+def in_process_app(engine, metrics, **kw):
+    from dllm_ops.serve.app import create_app
+    return create_app(engine, engine.tokenizer, MODEL, server_defaults(), context_length=CONTEXT,
+                      metrics=metrics, **kw)
+
+
+def test_a_failed_sequence_gets_500_and_the_others_decode_on(model):
+    from dllm_ops.serve import ServerMetrics
+    metrics = ServerMetrics()
+    engine = PlanFaultOnSub.engine(model, metrics=metrics)
+    app = in_process_app(engine, metrics)
+    engine.start()
+    try:
+        sub, other = suite_prompt(2), suite_prompt(0)
+        assert sub.split(" ")[1] == "sub" and "sub" not in other
+        bad, good = call_app(app, *[("POST", "/v1/completions", {"model": MODEL, "prompt": p,
+                                                                 "max_tokens": 48}) for p in (sub, other)])
+        assert bad.status_code == 500
+        err = error_of(bad)
+        assert err["type"] == "server_error" and err["code"] == "decode_failed"
+        assert "a plan fault on purpose" in err["message"]
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected(model, 48, prompt=other)[0]
+        assert metrics.value("dllm_requests_total", status="500") == 1
+        assert metrics.value("dllm_requests_total", status="200") == 1
+        # draining: new requests and /health get 503
+        app.state.serving.draining = True
+        health, refused_ = call_app(app, ("GET", "/health", None),
+                                    ("POST", "/v1/completions", {"model": MODEL, "prompt": other}))
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        assert refused_.status_code == 503 and error_of(refused_)["code"] == "draining"
+    finally:
+        assert engine.shutdown(WAIT)
+
+
+def test_a_request_past_its_timeout_gets_504(model):
+    from dllm_ops.serve import Engine, ServerMetrics
+    metrics = ServerMetrics()
+    engine = Engine(model, model.tokenizer, metrics=metrics)
+    app = in_process_app(engine, metrics, request_timeout=0.2)
+    engine.start()
+    try:
+        t0 = time.monotonic()
+        (r,) = call_app(app, ("POST", "/v1/completions", slow_body()))
+        assert r.status_code == 504 and time.monotonic() - t0 < 2.0   # the decode takes about 2 s
+        assert error_of(r)["type"] == "timeout_error" and "timed out" in error_of(r)["message"]
+        (ok,) = call_app(app, ("POST", "/v1/completions", {"model": MODEL, "prompt": "1 2", "max_tokens": 4}))
+        assert ok.status_code == 200
+    finally:
+        engine.shutdown(WAIT)
