@@ -163,10 +163,15 @@ def test_every_configuration_shares_one_call(llada):
     engine = Engine(llada)
     for i, method in enumerate(METHODS):
         engine.submit(Request(PROMPTS[i], config(method), 16), Events())
+    timed = config("dual").replace(time_layers=True)     # layer timers run inside the shared call
+    handle = engine.submit(Request(PROMPTS[0], timed, 16), Events())
     assert engine.tick()
     m = engine.metrics
     assert m.value("dllm_model_calls_total") == 1
-    assert m.value("dllm_model_call_rows_sum") == len(METHODS) == engine.running
+    assert m.value("dllm_model_call_rows_sum") == len(METHODS) + 1 == engine.running
+    run_until_idle(engine)
+    times = handle.outcome.stats.layer_times
+    assert len(times.seconds) == handle.outcome.stats.nfe and all(len(t) == 4 for t in times.seconds)
 
 
 def test_fused_logits_are_bitwise_the_single_calls(llada, dream):
