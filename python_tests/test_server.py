@@ -342,6 +342,20 @@ def wait_for_metric(url: str, name: str, value: float) -> None:
         time.sleep(0.02)
 
 
+def test_serve_flags_parse_as_generate_flags_do():
+    import subprocess
+    import sys
+    config = server_defaults()
+    assert (config.cache.method, config.reveal.unmask, config.reveal.threshold, config.shape.block_length) \
+        == ("dual", "threshold", 0.9, 16)
+    for flags, message in ((["--set", "cache.method=bogus"], "cache.method = 'bogus'"),
+                           (["--cache", "dual", "--set", "cache=prefix"], "cache is given both"),
+                           (["--gen-length", "64"], "unrecognized arguments: --gen-length")):
+        r = subprocess.run([sys.executable, "-m", "dllm_ops", "serve", "--model", MODEL, *flags],
+                           capture_output=True, text=True, timeout=WAIT)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     with http() as c:
