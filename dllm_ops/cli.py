@@ -116,14 +116,6 @@ def add_model_arguments(g) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU threads")
 
 
-def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
-    out = set()
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        out |= _leaf_paths(value, path + ".") if isinstance(value, dict) else {path}
-    return out
-
-
 def _load_config_file(path: str, command: str = "generate"):
     from .config import DecodeConfig
     from .errors import ConfigError
@@ -143,14 +135,14 @@ def _load_config_file(path: str, command: str = "generate"):
 def decode_config(args):
     """The DecodeConfig of parsed ``generate`` (or ``serve``) arguments: --config
     (or the defaults), then the dedicated flags and --set, one parser for both."""
-    from .config import DecodeConfig, config_from_settings, parse_pairs, settings_tree
+    from .config import DecodeConfig, config_from_settings, leaf_paths, parse_pairs, settings_tree
     from .errors import ConfigError
     from .options import OptionError
     command = getattr(args, "command", None) or "generate"
     base = _load_config_file(args.config_file, command) if args.config_file else DecodeConfig()
     try:
         given = parse_pairs(args.options)
-        from_set = _leaf_paths(settings_tree(given))
+        from_set = leaf_paths(settings_tree(given))
         settings = dict(given)
         for dest, path in FLAG_PATHS.items():
             value = getattr(args, dest, None)   # serve has no --gen-length

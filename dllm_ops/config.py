@@ -571,11 +571,13 @@ def parse_pairs(pairs: list[str]) -> dict:
 
 # ---- lm-eval's model_args -------------------------------------------------------------
 
-def _leaf_paths(tree: dict, prefix: str = "") -> set[str]:
+def leaf_paths(tree: dict, prefix: str = "") -> set[str]:
+    """The dotted fields a partial configuration dict sets (``{"reveal": {"threshold":
+    0.9}}`` -> ``{"reveal.threshold"}``; a kvq table object is one field)."""
     out = set()
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        out |= _leaf_paths(value, path + ".") if isinstance(value, dict) and key != "table" else {path}
+        out |= leaf_paths(value, path + ".") if isinstance(value, dict) and key != "table" else {path}
     return out
 
 
@@ -586,7 +588,7 @@ def config_from_model_args(settings: dict, max_gen_toks: int) -> tuple[DecodeCon
     ``reveal.threshold``). Without a gen length in the settings the region is
     ``max_gen_toks`` rounded up to a multiple of the block length."""
     tree = settings_tree(settings)
-    paths = _leaf_paths(tree)
+    paths = leaf_paths(tree)
     if "shape.gen_length" not in paths:
         block = tree.get("shape", {}).get("block_length", ShapeConfig.block_length)
         if isinstance(block, int) and not isinstance(block, bool) and block > 0:   # else: named below
