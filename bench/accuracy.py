@@ -60,38 +60,6 @@ def resolve_model(name_or_path: str) -> str:
     return resolve_checkpoint(name_or_path)
 
 
-def parse_mode(spec: str):
-    """A mode string as the older tuple ``(cache, dare, dare_opts)`` (through
-    :func:`dllm_ops.config.mode_tree`, the one grammar; kept for callers of
-    that tuple: use ``config_from_mode``)."""
-    from dllm_ops.config import mode_tree
-    try:
-        tree = mode_tree(spec)
-    except ValueError as e:
-        raise ValueError(f"bench.accuracy: bad DARE mode {spec!r} ({e})") from None
-    reuse = tree.get("reuse")
-    cache = spec.partition("+")[0]
-    if reuse is None:
-        return cache, None, None
-    return cache, reuse.pop("method"), reuse
-
-
-def d2cache_mode(spec: str):
-    """``"d2cache"`` / ``"d2cache:k=4,p=0.1,sigma=3"`` -> ("d2cache", options or None)
-    in D2Cache's keyword names; any other spec -> (spec, None) (through
-    :func:`dllm_ops.config.mode_tree`; kept for callers of that tuple: use
-    ``config_from_mode``)."""
-    from dllm_ops.config import mode_tree
-    if not spec.startswith("d2cache:"):
-        return spec, None
-    try:
-        d2 = mode_tree(spec)["cache"]["d2cache"]
-    except ValueError as e:
-        raise ValueError(f"bench.accuracy: bad d2cache mode {spec!r} ({e})") from None
-    names = {"current_k": "current_k", "rollout_p": "rollout_p", "density_sigma": "sigma"}
-    return "d2cache", {names[k]: v for k, v in d2.items()}
-
-
 def decode_modes(caches, threshold):
     """(mode, rule) pairs to run, vanilla first; rule is "1/call" or a threshold.
     Every mode string is parsed here (a bad one fails before a model loads)."""

@@ -293,12 +293,15 @@ def test_stop_at_eos_batch_equals_single(llada):
 
 
 def test_bench_mode_spec():
-    from bench.accuracy import d2cache_mode, decode_modes
+    from bench.accuracy import decode_modes
+    from dllm_ops.config import D2CacheConfig, config_from_mode
 
-    assert d2cache_mode("d2cache:k=4,p=0.1,sigma=3") == ("d2cache", dict(current_k=4, rollout_p=0.1, sigma=3.0))
-    assert d2cache_mode("d2cache") == ("d2cache", None) and d2cache_mode("dual") == ("dual", None)
-    with pytest.raises(ValueError, match="bad d2cache mode"):
-        d2cache_mode("d2cache:q=1")
+    assert config_from_mode("d2cache:k=4,p=0.1,sigma=3").cache.d2cache == D2CacheConfig(
+        current_k=4, rollout_p=0.1, density_sigma=3.0)
+    assert config_from_mode("d2cache").cache.d2cache == D2CacheConfig()
+    assert config_from_mode("dual").cache.d2cache is None
+    with pytest.raises(ConfigError, match="write d2cache options as k=4,p=0.1,sigma=3"):
+        config_from_mode("d2cache:q=1")
     # d2cache rows decode one token per call, like vanilla and the stale diagnostic.
     assert decode_modes(["dual", "d2cache:k=4"], 0.9) == [("none", "1/call"), ("dual", 0.9),
                                                          ("d2cache:k=4", "1/call")]

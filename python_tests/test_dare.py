@@ -302,12 +302,12 @@ def test_bad_dare_input(ckpts, kw, msg):
 
 
 def test_bench_mode_specs():
-    from bench.accuracy import parse_mode
-    assert parse_mode("dual") == ("dual", None, None)
-    assert parse_mode("dual+kv@0.75") == ("dual", "kv", dict(rho=0.75))
-    assert parse_mode("prefix+o@t0.05") == ("prefix", "o", dict(tau=0.05))
-    with pytest.raises(ValueError, match="bad DARE mode"):
-        parse_mode("dual+kv@x")
+    from dllm_ops.config import config_from_mode
+    assert config_from_mode("dual").reuse == ReuseConfig()
+    assert config_from_mode("dual+kv@0.75").reuse == ReuseConfig(method="kv", rho=0.75)
+    assert config_from_mode("prefix+o@t0.05").reuse == ReuseConfig(method="o", tau=0.05)
+    with pytest.raises(ConfigError, match="write DARE as dual\\+kv@0.75"):
+        config_from_mode("dual+kv@x")
 
 
 @pytest.mark.parametrize("dare", ["kv", "o"])
