@@ -4,6 +4,7 @@
   python -m bench decode --model PATH|NAME | --synthetic llada-8b --layers 4   (bench/decode.py)
   python -m bench ab --base DIR --op NAME [--shape TEXT] [--rounds 6]   (two builds, bench/ab.py)
   python -m bench serve --spawn tiny-llada | --url http://127.0.0.1:PORT   (the HTTP server, bench/serve.py)
+  python -m bench serve-memory --spawn tiny-llada   (sequences one --kv-budget admits per KV storage)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
     add_ab(sub)
     from bench.serve import add_parser as add_serve
     add_serve(sub)
+    from bench.serve_memory import add_parser as add_serve_memory
+    add_serve_memory(sub)
     args = p.parse_args(argv)
     return args.func(args)
 

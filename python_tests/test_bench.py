@@ -98,3 +98,32 @@ def test_bench_ab_rejects_bad_arguments(tmp_path, capsys):
     assert "--rounds" in capsys.readouterr().err
     assert main(["ab", "--base", repo, "--op", "no_such_op"]) == 2
     assert "no case matches" in capsys.readouterr().err
+
+
+def test_serve_memory_reads_gauges_from_prometheus_text():
+    from bench.serve_memory import metric
+    text = ('# HELP dllm_running_sequences Sequences decoding\n# TYPE dllm_running_sequences gauge\n'
+            'dllm_running_sequences 7.0\ndllm_running_sequences_extra 1.0\n'
+            'dllm_kv_bytes_reserved 2.5e+06\n')
+    assert metric(text, "dllm_running_sequences") == 7.0
+    assert metric(text, "dllm_kv_bytes_reserved") == 2.5e6
+    with pytest.raises(KeyError):
+        metric(text, "dllm_queue_depth")
+
+
+@pytest.mark.models
+def test_bench_serve_memory_packed_caches_admit_more(capsys):
+    """Three real servers with one KV budget: the budget holds three bf16
+    sequences of this shape, and a 2-bit cache admits more (read from /metrics)."""
+    pytest.importorskip("fastapi")
+    assert main(["serve-memory", "--spawn", "tiny-llada", "--kv-budget", "1000000",
+                 "--requests", "8", "--max-tokens", "128", "--settle", "1.0",
+                 "--time-limit", "60"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("| ") and "sequences admitted" not in line:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = int(cells[1])
+    assert rows["bf16 (full)"] == 3                  # 311296 bytes each under 1e6
+    assert rows["K2V2 (kivi)"] > rows["bf16 (full)"]
+    assert rows["K4V4 (kivi)"] >= rows["bf16 (full)"]
