@@ -85,10 +85,9 @@ class AnswerText:
         """The new text of a longer committed prefix (possibly empty)."""
         if self.done:
             return Piece("")
-        text = self._decode(ids)
-        at = _first_stop(text, self.stop)
-        if at is not None:
-            return self._stopped(ids, text, at)
+        text, stopped = self._read(ids)
+        if stopped is not None:
+            return stopped
         safe = text.rstrip()
         while safe.endswith(_UNFINISHED_CHAR):
             safe = safe[:-1].rstrip()
@@ -102,8 +101,13 @@ class AnswerText:
         """The rest of the whole answer ``ids``; ``stopped`` when a stop string cut it."""
         if self.done:
             return Piece("")
+        text, stopped = self._read(ids)
+        if stopped is not None:
+            return stopped
+        return self._close(text, stopped=False, completion_tokens=None)
+
+    def _read(self, ids: list[int]) -> tuple[str, Piece | None]:
+        """The text of ``ids``, and the closing piece when a stop string cuts it."""
         text = self._decode(ids)
         at = _first_stop(text, self.stop)
-        if at is not None:
-            return self._stopped(ids, text, at)
-        return self._close(text, stopped=False, completion_tokens=None)
+        return text, (self._stopped(ids, text, at) if at is not None else None)
