@@ -201,6 +201,11 @@ class ShapeConfig(_Section):
         return self.gen_length // self.block_length
 
     @property
+    def blocks_to_decode(self) -> int:
+        """The blocks a decode runs: all of them, or the first ``max_blocks``."""
+        return self.num_blocks if self.max_blocks is None else min(self.num_blocks, self.max_blocks)
+
+    @property
     def total_steps(self) -> int:
         return self.gen_length if self.steps is None else self.steps
 

@@ -97,6 +97,19 @@ def _canvas(model: DiffusionLM, ids: list[list[int]], gen_length: int):
     return x, valid
 
 
+def decode_parts(model: DiffusionLM, ids: list[list[int]], config: DecodeConfig, generators, *,
+                 policy: Policy | None = None, reuse: DareReuse | None = None):
+    """Every check a decode of ``ids`` runs before its first call, and the objects
+    it builds: ``(policy, storage, reuse rule, reveal rule)``; no cache is
+    allocated (the server checks a request with this before queueing it)."""
+    check_prompts(model, ids, config.shape.gen_length)
+    policy = policy if policy is not None else make_policy(config.cache)
+    storage = make_storage(model, config.storage, policy.name)
+    reuse = reuse if reuse is not None else make_dare(config.reuse, model.config)
+    rule = build_reveal(model.config.arch, config.reveal, config.shape, policy.name, generators)
+    return policy, storage, reuse, rule
+
+
 class Decoder:
     """One decode of a batch of prompts, advanced one model call at a time::
 
@@ -113,13 +126,10 @@ class Decoder:
                  policy: Policy | None = None, reuse: DareReuse | None = None, tokenizer=None):
         c, shape = model.config, config.shape
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        check_prompts(model, ids, shape.gen_length)
-        self.policy = policy if policy is not None else make_policy(config.cache)
-        self.storage = make_storage(model, config.storage, self.policy.name)
-        self.reuse = reuse if reuse is not None else make_dare(config.reuse, c)
         B = len(ids)
         generators = [torch.Generator(device="cpu").manual_seed(shape.seed) for _ in range(B)]
-        self.rule = build_reveal(c.arch, config.reveal, shape, self.policy.name, generators)
+        self.policy, self.storage, self.reuse, self.rule = decode_parts(
+            model, ids, config, generators, policy=policy, reuse=reuse)
         r = config.reveal
         # The mask token is never a decoding outcome: committing it would leave the
         # position masked and a threshold loop would never end (random or small
@@ -134,8 +144,7 @@ class Decoder:
                                  gen_start=x.shape[1] - shape.gen_length,
                                  block_length=shape.block_length,
                                  active=torch.ones(B, dtype=torch.bool, device=model.device))
-        self.block_limit = shape.num_blocks if shape.max_blocks is None else min(shape.num_blocks,
-                                                                                  shape.max_blocks)
+        self.block_limit = shape.blocks_to_decode
         self.blocks_decoded = 0
         self.flops = 0.0
         self.eos_filled = torch.zeros(B, dtype=torch.long)

@@ -23,14 +23,11 @@ import numbers
 import torch
 
 from ..config import DecodeConfig
-from ..dare import make_dare
+from ..decode import decode_parts
 from ..errors import ServeError
 from ..models import DiffusionLM
 from ..plan import KVCache
-from ..policies import make_policy
-from ..prompts import check_prompts
-from ..quant.storage import PackedStorage, make_storage
-from ..reveal import build_reveal
+from ..quant.storage import PackedStorage
 from .requests import Request
 
 
@@ -56,8 +53,7 @@ def sequence_kv_bytes(model: DiffusionLM, config: DecodeConfig, storage, prompt_
     if isinstance(storage, PackedStorage):
         # The packed cache allocates nothing until its first call: this is only its geometry.
         cache = storage.new_cache(model, torch.ones((1, T), dtype=torch.bool, device=model.device))
-        blocks = shape.num_blocks if shape.max_blocks is None else min(shape.num_blocks, shape.max_blocks)
-        return cache.peak_nbytes(prompt_len, shape.block_length, blocks)
+        return cache.peak_nbytes(prompt_len, shape.block_length, shape.blocks_to_decode)
     return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, T, c.head_dim, model.dtype)
 
 
@@ -88,11 +84,7 @@ def check_request(model: DiffusionLM, request: Request, kv_budget: int | None) -
     if t is not None and (not isinstance(t, numbers.Real) or isinstance(t, bool) or not t > 0):
         raise ServeError(f"timeout_s = {t!r}: must be a number > 0 or None", param="timeout_s")
     # The checks a Decoder runs when it is built, without allocating its cache.
-    check_prompts(model, [list(ids)], shape.gen_length)
-    policy = make_policy(config.cache)
-    storage = make_storage(model, config.storage, policy.name)
-    make_dare(config.reuse, model.config)
-    build_reveal(model.config.arch, config.reveal, shape, policy.name, [torch.Generator()])
+    _, storage, _, _ = decode_parts(model, [list(ids)], config, [torch.Generator()])
     kv = sequence_kv_bytes(model, config, storage, len(ids))
     if kv_budget is not None and kv > kv_budget:
         raise ServeError(f"this request's KV cache needs {kv} bytes at its peak (prompt {len(ids)} + "
