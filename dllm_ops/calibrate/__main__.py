@@ -28,12 +28,16 @@ import torch
 
 
 def _resolve(name: str) -> tuple[str, str]:
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
-    if os.path.isdir(os.path.join(here, name)):
-        return name, os.path.join(here, name)
-    if os.path.isdir(name):
-        return os.path.basename(os.path.normpath(name)), name
-    raise SystemExit(f"dllm_ops.calibrate: --model {name!r} is neither a shipped model nor a folder")
+    """``(name recorded in the trace, folder)`` for --model: a folder, a shipped
+    model or a Hub id from the local cache (dllm_ops.models.resolve_checkpoint)."""
+    from ..models import SHIPPED_MODELS, CheckpointError, resolve_checkpoint
+    try:
+        path = resolve_checkpoint(name)
+    except CheckpointError as e:
+        raise SystemExit(f"dllm_ops.calibrate: --model: {e}") from None
+    if name in SHIPPED_MODELS or not os.path.isdir(name):
+        return name, path       # a shipped model's name or a Hub id, as given
+    return os.path.basename(os.path.normpath(name)), path
 
 
 def decode_config(args):
@@ -122,7 +126,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dllm_ops.calibrate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="tiny-llada | tiny-dream | checkpoint folder")
+    p.add_argument("--model", required=True, help="tiny-llada | tiny-dream | checkpoint folder | Hub id in the local cache (org/name[@rev])")
     p.add_argument("--cache", required=True, choices=["prefix", "dual"])
     p.add_argument("--bits", required=True, type=int, help="2 | 4 (storage.bits)")
     p.add_argument("--group", type=int, default=32,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -25,15 +26,144 @@ SHIPPED_MODELS = ("tiny-llada", "tiny-dream")
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def resolve_checkpoint(name_or_path: str) -> str:
-    """A checkpoint folder, or a shipped model's name (tiny-llada, tiny-dream) -> its folder."""
+def hub_cache_dir() -> tuple[str, str]:
+    """``(folder, where it came from)``: the cache huggingface_hub keeps
+    repositories in, read from the environment at the call (huggingface_hub
+    reads it once, at import): ``HF_HUB_CACHE``, else the legacy
+    ``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
+    def expand(p):
+        return os.path.expandvars(os.path.expanduser(p))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return expand(os.environ[var]), f"from {var}"
+    if os.environ.get("HF_HOME"):
+        return os.path.join(expand(os.environ["HF_HOME"]), "hub"), "from HF_HOME"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return (os.path.join(expand(base), "huggingface", "hub"),
+            "the default; HF_HUB_CACHE or HF_HOME name another")
+
+
+def split_revision(name: str) -> tuple[str, str | None]:
+    """``"org/name@rev"`` -> ``("org/name", "rev")``; a name without ``@`` has no
+    revision. (A Hub id cannot contain ``@``, so the split is unambiguous.)"""
+    repo, at, rev = name.partition("@")
+    return (repo, rev) if at else (name, None)
+
+
+def _fetch_hint(repo_id: str, revision: str | None) -> str:
+    rev = f" --revision {revision}" if revision else ""
+    return (f"nothing is downloaded at load: fetch it with `hf download {repo_id}{rev}` "
+            f"(or `huggingface-cli download {repo_id}{rev}`) and load it again")
+
+
+def _cached_revisions(repo_dir: str) -> str:
+    """What the cache holds of one repository, for an error: its refs and snapshots."""
+    def listing(sub):
+        d = os.path.join(repo_dir, sub)
+        out = []
+        for root, _, files in os.walk(d):
+            out += [os.path.relpath(os.path.join(root, f), d) for f in files]
+        return sorted(out)
+    refs = listing("refs")
+    snaps = sorted(os.listdir(os.path.join(repo_dir, "snapshots"))) \
+        if os.path.isdir(os.path.join(repo_dir, "snapshots")) else []
+    return (f"refs: {', '.join(refs) or 'none'}; snapshots: "
+            f"{', '.join(h[:12] for h in snaps) or 'none'}")
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, not_local: str) -> str:
+    """The cached snapshot folder of Hub repository ``repo_id`` at ``revision``
+    (a branch or tag recorded under ``refs/``, a commit hash or a unique prefix
+    of one; default ``main``), from the local cache only."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise CheckpointError(f"{not_local}, nor a Hugging Face Hub id (org/name)") from None
+    cache, source = hub_cache_dir()
+    repo_dir = os.path.join(cache, repo_folder_name(repo_id=repo_id, repo_type="model"))
+    shown = f"{repo_id}@{revision}" if revision else repo_id
+    if not os.path.isdir(repo_dir):
+        raise CheckpointError(
+            f"{not_local}; as a Hugging Face Hub id it is not in the local cache (searched "
+            f"{repo_dir} in the cache folder {cache}, {source}); {_fetch_hint(repo_id, revision)}")
+    rev = revision or "main"
+    snapshots = os.path.join(repo_dir, "snapshots")
+    if (re.fullmatch(r"[0-9a-f]{7,39}", rev) and not os.path.exists(os.path.join(repo_dir, "refs", rev))
+            and os.path.isdir(snapshots)):
+        full = [h for h in os.listdir(snapshots) if h.startswith(rev)]
+        if len(full) == 1:          # a short commit hash (git's abbreviation)
+            rev = full[0]
+        elif len(full) > 1:
+            raise CheckpointError(f"{shown}: the commit prefix {rev!r} names {len(full)} cached "
+                                  f"snapshots ({', '.join(sorted(full))}); give more of the hash")
+    try:
+        folder = snapshot_download(repo_id, revision=rev, cache_dir=cache, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise CheckpointError(
+            f"{shown}: the local Hugging Face cache ({repo_dir}) holds this repository but not "
+            f"revision {rev!r} ({_cached_revisions(repo_dir)}); "
+            f"{_fetch_hint(repo_id, revision)}") from None
+    except (OSError, ValueError) as e:   # an incomplete snapshot, a malformed revision
+        raise CheckpointError(f"{shown}: the local Hugging Face cache ({repo_dir}) cannot give "
+                              f"this revision: {' '.join(str(e).split())}; "
+                              f"{_fetch_hint(repo_id, revision)}") from None
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise CheckpointError(
+            f"{shown}: the cached snapshot {folder} has no config.json (only part of the "
+            f"repository was downloaded); {_fetch_hint(repo_id, revision)}")
+    return folder
+
+
+def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
+    """The checkpoint folder ``dllm_ops.load`` reads, resolved in this order:
+
+    1. an existing folder;
+    2. a shipped model's name (tiny-llada, tiny-dream);
+    3. a Hugging Face Hub id (``GSAI-ML/LLaDA-8B-Instruct``), looked up in the
+       local Hugging Face cache only (``HF_HUB_CACHE`` / ``HF_HOME``; never a
+       download), at ``revision`` or at the id's ``@rev`` suffix
+       (``org/name@v1.0``, ``org/name@<commit>``): a branch or tag the cache
+       recorded, or a commit hash (full, or a unique prefix); default ``main``.
+
+    Anything else is a :class:`CheckpointError` that says what was searched.
+    """
     path = os.fspath(name_or_path)
+    if not isinstance(path, str):
+        raise CheckpointError(f"{path!r}: a checkpoint is a folder, a shipped model's name or "
+                              "a Hugging Face Hub id, not bytes")
+    if revision is not None and not (isinstance(revision, str) and revision):
+        raise CheckpointError(f"revision {revision!r}: must be a non-empty string (a branch, "
+                              "tag or commit hash)")
     if os.path.isdir(path):
+        if revision is not None:
+            raise CheckpointError(f"{path}: a revision ({revision!r}) selects a cached Hub "
+                                  "snapshot; this is a local folder, which has none")
         return path
+    if os.path.exists(path):
+        raise CheckpointError(f"{path} is a file; a checkpoint is the folder that holds "
+                              "config.json, the safetensors and the tokenizer")
     if path in SHIPPED_MODELS:
+        if revision is not None:
+            raise CheckpointError(f"{path} is a shipped model; it has no revisions "
+                                  f"(revision={revision!r})")
         return os.path.join(CHECKPOINTS_DIR, path)
-    raise CheckpointError(f"{path!r} is neither a checkpoint folder nor a shipped "
-                          f"model ({', '.join(SHIPPED_MODELS)})")
+    repo_id, suffix = split_revision(path)
+    if suffix is not None:
+        if not suffix:
+            raise CheckpointError(f"{path!r}: nothing after '@' (org/name@revision)")
+        if revision is not None and revision != suffix:
+            raise CheckpointError(f"{path!r} names revision {suffix!r} but revision={revision!r} "
+                                  "was given too")
+        revision = suffix
+    not_local = (f"{repo_id!r} is neither a checkpoint folder nor a shipped model "
+                 f"({', '.join(SHIPPED_MODELS)})")
+    return _hub_snapshot(repo_id, revision, not_local)
 
 
 def _safe_open(file: str):
@@ -93,16 +223,18 @@ def load_tokenizer(path: str):
 
 
 def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
-         tokenizer: bool = True) -> DiffusionLM:
-    """Load a LLaDA or Dream checkpoint folder (or a shipped model by name:
-    tiny-llada, tiny-dream); the tokenizer is ``model.tokenizer``.
+         tokenizer: bool = True, revision: str | None = None) -> DiffusionLM:
+    """Load a LLaDA or Dream checkpoint folder, a shipped model by name
+    (tiny-llada, tiny-dream) or a Hugging Face Hub id from the local cache
+    (``GSAI-ML/LLaDA-8B-Instruct``, at ``revision`` or ``org/name@rev``; see
+    :func:`resolve_checkpoint`); the tokenizer is ``model.tokenizer``.
 
     ``dtype`` is float32, float16 or bfloat16, the dtypes the kernels run in.
     """
     if not isinstance(dtype, torch.dtype) or dtype not in MODEL_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; the kernels run in "
                               f"{', '.join(str(d).replace('torch.', '') for d in MODEL_DTYPES)}")
-    path = resolve_checkpoint(path)
+    path = resolve_checkpoint(path, revision)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{cfg_path} not found")
