@@ -19,6 +19,7 @@ One class per area (what a caller may want to catch apart):
   (a missing key, an unknown architecture);
 - :class:`PolicyTableError`: a dLLM-KVQ policy table (its file, its fields,
   or a model / cache / bits / group it was not made for);
+- :class:`LikelihoodError`: a request the lm-eval likelihood estimate cannot score;
 - :class:`CalibrationError`: the calibration tracer's inputs and artifacts;
 - :class:`ServeError`: an HTTP request the server refuses or fails (its status,
   the OpenAI ``param`` and ``code``).
@@ -84,6 +85,13 @@ class TaskError(DllmOpsError):
     api = "dllm_ops.tasks"
 
 
+class LikelihoodError(DllmOpsError):
+    """A request the likelihood estimate (dllm_ops.likelihood, lm-eval's
+    loglikelihood) cannot score: an empty continuation or context, one longer
+    than the model's context, a token outside the vocabulary, bad masks."""
+    api = "dllm_ops likelihood"
+
+
 class CalibrationError(DllmOpsError):
     """The calibration tracer (``python -m dllm_ops.calibrate``): a bad
     schedule, score matrix, answer or trace artifact."""
@@ -104,4 +112,4 @@ class ServeError(DllmOpsError):
 
 __all__ = ["DllmOpsError", "OptionError", "LmEvalArgError", "ConfigError", "DecodeError",
            "CheckpointError", "ModelConfigError", "PolicyTableError", "TaskError",
-           "CalibrationError", "ServeError"]
+           "LikelihoodError", "CalibrationError", "ServeError"]

@@ -7,11 +7,11 @@ import pytest
 
 from dllm_ops import errors
 from dllm_ops.errors import (CalibrationError, CheckpointError, ConfigError, DecodeError,
-                             DllmOpsError, LmEvalArgError, ModelConfigError, OptionError,
-                             PolicyTableError, ServeError, TaskError)
+                             DllmOpsError, LikelihoodError, LmEvalArgError, ModelConfigError,
+                             OptionError, PolicyTableError, ServeError, TaskError)
 
 CLASSES = [OptionError, LmEvalArgError, ConfigError, DecodeError, CheckpointError, ModelConfigError,
-           PolicyTableError, TaskError, CalibrationError, ServeError]
+           PolicyTableError, TaskError, LikelihoodError, CalibrationError, ServeError]
 
 
 def test_every_error_class_is_listed():
@@ -41,7 +41,8 @@ def test_prefixes_are_todays():
         "DecodeError": "dllm_ops.generate", "CheckpointError": "dllm_ops.load",
         "ModelConfigError": "dllm_ops.load",
         "PolicyTableError": "dllm_ops.generate: kv_quant policy",
-        "TaskError": "dllm_ops.tasks", "CalibrationError": "dllm_ops.calibrate",
+        "TaskError": "dllm_ops.tasks", "LikelihoodError": "dllm_ops likelihood",
+        "CalibrationError": "dllm_ops.calibrate",
         "ServeError": "dllm_ops serve"}
     assert issubclass(ModelConfigError, CheckpointError)
     assert issubclass(LmEvalArgError, OptionError)
