@@ -13,9 +13,16 @@ decode in parallel with Fast-dLLM's threshold rule (`--threshold`, 0.9);
   for a problem when it commits a token of it, which is the number of calls
   the problem needs when decoded alone;
 - tok/s: generated tokens (up to the first EOS) per second of decoding, batched;
+- acc_lo / acc_hi (printed "95% CI"): the Wilson interval of the accuracy
+  (bench/stats.py), per task and over all tasks (the pooled problems);
 - agree_tok / agree_seq: agreement with the vanilla decode of the same
   problems, per token (over the vanilla answer and its first EOS) and per
   whole answer;
+- vs / changed / lost / gained / p_paired: the paired comparison with the
+  reference decode of the same problems (``reference``, vanilla unless asked
+  otherwise): answers that differ, the discordant problems it got right and
+  this mode wrong (b, lost) and the reverse (c, gained), and the exact
+  McNemar p on b and c (bench/stats.py); empty on the reference's own row;
 - run/call: tokens run per call of a problem (the full forward included),
   over the calls the problem makes while its block has masks (a row that waits
   for the rest of its batch is not counted), i.e. what it runs decoded alone;
@@ -39,6 +46,7 @@ import argparse
 import csv
 import os
 import sys
+import textwrap
 import time
 
 import torch
@@ -136,7 +144,7 @@ def _label(cache, rule):
 def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_CACHES,
                  block_length: int | None = None, threshold: float | None = 0.9, seed: int = 0,
                  progress: bool = True, batch_size: int = 100, dtype=torch.float32,
-                 model=None, split: str = "test") -> list[dict]:
+                 model=None, split: str = "test", reference: str = "none") -> list[dict]:
     """Decode `n` held-out problems per task in every mode; one dict per (task, mode)
     plus an "all" row per mode (the mean over tasks).
 
@@ -150,6 +158,8 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
         threshold: the parallel-decoding threshold of the cached modes; None
             decodes every mode one token per call.
         split: "test" (report) or "calib" (choose settings on it).
+        reference: the mode the paired columns compare with (the first row of
+            that cache string; default "none", vanilla one token per call).
     """
     from tqdm.auto import tqdm
 
@@ -160,7 +170,13 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     from dllm_ops.policies import make_policy
     from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
+    from bench.stats import accuracy_fields, paired
+
     modes = decode_modes(caches, threshold)   # a bad mode string fails here
+    ref_mode = next((m for m in modes if m[0] == reference), None)
+    if ref_mode is None:
+        raise ValueError(f"run_accuracy: reference {reference!r} is not among the modes "
+                         f"{[m[0] for m in modes]}")
     names = task_names(tasks)
     block_length = block_length or BLOCK_LENGTH
     if model is None:
@@ -174,10 +190,11 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
     bar = tqdm(total=len(names) * len(modes) * nb, desc=f"accuracy {label}", unit="batch",
                disable=not progress, leave=False)
     rows = []
+    outcome = {}   # (task, mode) -> (correct per problem, answer per problem)
     for task in names:
         probs = per_task[task]
-        vanilla_tokens = None
-        for cache, rule in modes:
+        # the reference decodes first, so every other row can be paired with it
+        for cache, rule in [ref_mode] + [m for m in modes if m != ref_mode]:
             bar.set_postfix_str(f"{task} {cache} {_label(cache, rule)}")
             config = config_from_mode(cache, rule_config(model, rule, TASKS[task].gen_length,
                                                          block_length))
@@ -203,30 +220,63 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
                 bar.update(1)
             tokens = torch.cat(toks)
             correct = [exact_match(p, t.tolist(), eos) for p, t in zip(probs, tokens)]
-            if vanilla_tokens is None:
-                vanilla_tokens = tokens
-            agree_tok, agree_seq = _agreement(tokens, vanilla_tokens, eos)
+            outcome[(task, cache, rule)] = (correct, [_answer(t, eos) for t in tokens.tolist()])
             rows.append(dict(model=label, task=task, cache=cache, rule=_label(cache, rule), n=n,
-                             accuracy=sum(correct) / n, nfe=float(torch.cat(calls).float().mean()),
+                             **accuracy_fields(correct), nfe=float(torch.cat(calls).float().mean()),
                              nfe_batch=sum(batch_calls) / len(batch_calls), tokens_per_s=n_tok / wall,
-                             agree_tok=agree_tok, agree_seq=agree_seq, seconds=wall,
+                             _tokens=tokens, seconds=wall,
                              run_per_call=run_tokens / run_calls, split=split,
                              gen_length=TASKS[task].gen_length, block_length=block_length,
                              batch_size=batch_size, reused=reuse[0], reuse_eligible=reuse[1],
                              reuse=reuse[0] / reuse[1] if dare and reuse[1] else None))
     bar.close()
+    # Every row's agreement with vanilla and paired comparison with the
+    # reference (both decoded above), in the order of `modes` per task.
+    by_key = {(r["task"], r["cache"], r["rule"]): r for r in rows}
+    rows = []
+    for task in names:
+        van = by_key[(task, *_key(modes[0]))]["_tokens"]
+        for cache, rule in modes:
+            r = by_key[(task, cache, _label(cache, rule))]
+            r["agree_tok"], r["agree_seq"] = _agreement(r.pop("_tokens"), van, eos)
+            r.update(_paired_fields(outcome, [task], (cache, rule), ref_mode, paired))
+            rows.append(r)
     for cache, rule in modes:
         mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
         mean = {k: sum(r[k] for r in mine) / len(mine)
-                for k in ("accuracy", "nfe", "nfe_batch", "agree_tok", "agree_seq", "run_per_call")}
+                for k in ("nfe", "nfe_batch", "agree_tok", "agree_seq", "run_per_call")}
+        pooled = [x for task in names for x in outcome[(task, cache, rule)][0]]
         secs = sum(r["seconds"] for r in mine)
         toks = sum(r["tokens_per_s"] * r["seconds"] for r in mine)
         reused, eligible = sum(r["reused"] for r in mine), sum(r["reuse_eligible"] for r in mine)
         rows.append(dict(mine[0], task="all", gen_length=None, n=n * len(mine), seconds=secs,
                          tokens_per_s=toks / secs, reused=reused, reuse_eligible=eligible,
                          reuse=reused / eligible if mine[0]["reuse"] is not None and eligible else None,
-                         **mean))
+                         **mean, **accuracy_fields(pooled),
+                         **_paired_fields(outcome, names, (cache, rule), ref_mode, paired)))
     return rows
+
+
+def _key(mode):
+    cache, rule = mode
+    return cache, _label(cache, rule)
+
+
+def _answer(tokens: list[int], eos: int) -> tuple[int, ...]:
+    """A decode's answer: its tokens up to the first EOS."""
+    return tuple(tokens[: tokens.index(eos)] if eos in tokens else tokens)
+
+
+def _paired_fields(outcome, tasks, mode, ref_mode, paired) -> dict:
+    """The paired columns of `mode` against `ref_mode` over `tasks` (pooled);
+    empty (None) on the reference's own row."""
+    if mode == ref_mode:
+        return dict(vs=None, changed=None, lost=None, gained=None, p_paired=None)
+    ref_c = [x for t in tasks for x in outcome[(t, *ref_mode)][0]]
+    ref_a = [x for t in tasks for x in outcome[(t, *ref_mode)][1]]
+    c = [x for t in tasks for x in outcome[(t, *mode)][0]]
+    a = [x for t in tasks for x in outcome[(t, *mode)][1]]
+    return dict(vs=f"{ref_mode[0]} {_label(*ref_mode)}", **paired(ref_c, c, ref_a, a).as_dict())
 
 
 def _agreement(tokens: torch.Tensor, ref: torch.Tensor, eos: int) -> tuple[float, float]:
@@ -241,22 +291,38 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor, eos: int) -> tuple[float
 
 
 COLUMNS = [("task", "task", 8), ("cache", "cache", 12), ("rule", "rule", 8), ("accuracy", "accuracy", 8),
-           ("nfe", "nfe", 6), ("run_per_call", "run/call", 8), ("tokens_per_s", "tok/s", 8), ("agree_tok", "agree_tok", 9),
-           ("agree_seq", "agree_seq", 9), ("reuse", "reused", 6)]
+           ("ci", "95% CI", 14), ("nfe", "nfe", 6), ("run_per_call", "run/call", 8), ("tokens_per_s", "tok/s", 8),
+           ("agree_tok", "agree_tok", 9), ("agree_seq", "agree_seq", 9), ("reuse", "reused", 6),
+           ("changed", "changed", 7), ("lost_gained", "lost/gained", 11), ("p_paired", "p", 6)]
 
 
-def _cell(key, value, width):
+def _cell(key, row, width):
+    from bench.stats import format_interval, format_p
+
+    if key == "ci":
+        return f"{format_interval(row['acc_lo'], row['acc_hi']):>{width}}"
+    if key == "lost_gained":
+        text = "-" if row["lost"] is None else f"{row['lost']}/{row['gained']}"
+        return f"{text:>{width}}"
+    if key == "p_paired":
+        return f"{format_p(row['p_paired']):>{width}}"
+    value = row[key]
     if value is None:   # e.g. the DARE reuse share of a mode without DARE
         return f"{'-':>{width}}"
     if isinstance(value, str):
         return f"{value:<{width}}"
     if key in ("accuracy", "agree_tok", "agree_seq", "reuse"):
         return f"{value:>{width}.1%}"
+    if key == "changed":
+        return f"{value:>{width}d}"
     return f"{value:>{width}.1f}" if key in ("nfe", "run_per_call") else f"{value:>{width}.0f}"
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as an aligned text table, a blank line between tasks."""
+    """The rows as an aligned text table, a blank line between tasks, and a
+    line naming the paired reference and what the columns mean."""
+    from bench.stats import LEGEND
+
     head = " ".join(f"{title:<{w}}" if key in ("task", "cache", "rule") else f"{title:>{w}}"
                     for key, title, w in COLUMNS)
     lines = [head, "-" * len(head)]
@@ -265,7 +331,10 @@ def format_table(rows: list[dict]) -> str:
         if last is not None and r["task"] != last:
             lines.append("")
         last = r["task"]
-        lines.append(" ".join(_cell(key, r[key], w) for key, _, w in COLUMNS))
+        lines.append(" ".join(_cell(key, r, w) for key, _, w in COLUMNS))
+    ref = next((r["vs"] for r in rows if r.get("vs")), None)
+    if ref:
+        lines += [""] + textwrap.wrap(f"paired against: {ref}. {LEGEND}", 100)
     return "\n".join(lines)
 
 
@@ -284,6 +353,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="test", choices=["test", "calib"],
                    help="held-out split: report on test, choose settings on calib")
     p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--reference", default="none",
+                   help="the mode the paired columns (changed, lost/gained, p) compare with (default: vanilla)")
     p.add_argument("--csv", help="also write the rows to this CSV file")
     p.add_argument("--no-progress", action="store_true")
 
@@ -294,7 +365,7 @@ def run_from_args(args) -> list[dict]:
     rows = run_accuracy(args.model, args.task, args.n, args.cache, args.block_length,
                         args.threshold if args.threshold and args.threshold > 0 else None,
                         args.seed, progress=not args.no_progress, batch_size=args.batch_size,
-                        split=args.split)
+                        split=args.split, reference=args.reference)
     r0 = rows[0]
     print(f"model={args.model} split={args.split} n={args.n}/task block={r0['block_length']} batch={r0['batch_size']} "
           f"threads={torch.get_num_threads()} ({time.perf_counter() - t0:.0f}s)")

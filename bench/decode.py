@@ -86,7 +86,7 @@ def cmd_decode(args) -> int:
         t0 = time.perf_counter()
         rows = run_accuracy(args.model, args.task, args.n, args.caches or DEFAULT_CACHES,
                             args.block_length, args.threshold if args.threshold > 0 else None,
-                            args.seed)
+                            args.seed, reference=args.reference)
         r0 = rows[0]
         print(f"model={args.model} n={args.n}/task block={r0['block_length']} "
               f"threshold={args.threshold} threads={torch.get_num_threads()} "
@@ -262,6 +262,9 @@ def add_parser(sub) -> None:
                         "options (each parses into a DecodeConfig: dllm_ops.config.config_from_mode)")
     p.add_argument("--task", nargs="+", help="accuracy run on the task suite ('all' for every task)")
     p.add_argument("--n", type=int, default=500, help="problems per task with --task")
+    p.add_argument("--reference", default="none",
+                   help="with --task: the mode the paired columns (changed, lost/gained, p) compare "
+                        "with (default none: vanilla, one token per call)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-length", type=int, default=256)
     p.add_argument("--gen-length", type=int, default=256)

@@ -9,7 +9,9 @@ caches at threshold 0.9, unquantized and with the reused region packed by
 KIVI (p = 0) and dLLM-KVQ (the shipped per-layer table,
 ``dllm_ops/checkpoints/<model>/kvq/<cache>-<bits>bit.json``) at K4V4 and
 K2V2. Per row: exact match, agreement with the unquantized decode of the same
-cache, the tables' mean effective K bits (``bits + p (16 - bits) / 32``, the
+cache (with the accuracy's 95% Wilson interval, and the paired comparison
+with that unquantized decode: answers changed, problems lost / gained, the
+exact McNemar p; bench/stats.py), the tables' mean effective K bits (``bits + p (16 - bits) / 32``, the
 paper's accounting), the stored bits per K and V element measured on the
 packed caches (codes, scales, mins, protected values and indices, padded code
 slots of short groups), and the peak bytes the KV cache holds per problem
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 
 import torch
@@ -52,6 +55,9 @@ def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), thre
     from dllm_ops.quant.policy_table import PolicyTable
     from dllm_ops.tasks import BLOCK_LENGTH, TASKS, exact_match, problems, task_names
 
+    from bench.accuracy import _answer
+    from bench.stats import accuracy_fields, paired
+
     path = resolve_model(model_name)
     model = load(path, dtype=dtype)
     eos = model.config.eos_id
@@ -65,6 +71,7 @@ def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), thre
     bar = tqdm(total=len(names) * len(caches) * len(ROWS) * nb, desc=f"kvq accuracy {model_name}",
                unit="batch", disable=not progress, leave=False)
     rows = []
+    outcome = {}   # (task, cache, method label) -> (correct, answers) per problem
     for task in names:
         probs = per_task[task]
         row = rule_config(model, threshold, TASKS[task].gen_length, BLOCK_LENGTH)
@@ -95,14 +102,16 @@ def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), thre
                     base_tokens = tokens
                 correct = [exact_match(p, t.tolist(), eos) for p, t in zip(probs, tokens)]
                 agree_tok, agree_seq = _agreement(tokens, base_tokens, eos)
+                label = _method_label(method, bits)
+                outcome[(task, cache, label)] = (correct, [_answer(t, eos) for t in tokens.tolist()])
                 if method == "kvq":
                     pk = sum(policy_k_bits(bits, l.p) for l in tables[(cache, bits)].layers)
                     pk /= len(tables[(cache, bits)].layers)
                 else:
                     pk = float(bits) if bits else 16.0
-                label = "bf16" if method == "bf16" else f"{'KIVI' if method == 'kivi' else 'dLLM-KVQ'} K{bits}V{bits}"
                 rows.append(dict(model=model_name, task=task, cache=cache, method=label, n=n,
-                                 accuracy=sum(correct) / n, agree_seq=agree_seq, agree_tok=agree_tok,
+                                 **accuracy_fields(correct), agree_seq=agree_seq, agree_tok=agree_tok,
+                                 **_paired_fields(outcome, [task], cache, label, paired),
                                  k_bits_policy=pk,
                                  k_bits_stored=sum(kbits) / len(kbits) if kbits else None,
                                  v_bits_stored=sum(vbits) / len(vbits) if vbits else None,
@@ -111,18 +120,37 @@ def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), thre
     bar.close()
     for cache in caches:
         for method, bits, _ in ROWS:
-            label = "bf16" if method == "bf16" else f"{'KIVI' if method == 'kivi' else 'dLLM-KVQ'} K{bits}V{bits}"
+            label = _method_label(method, bits)
             mine = [r for r in rows if r["cache"] == cache and r["method"] == label]
             avg = lambda k: (sum(r[k] for r in mine) / len(mine)) if mine[0][k] is not None else None  # noqa: E731
+            pooled = [x for t in names for x in outcome[(t, cache, label)][0]]
             rows.append(dict(mine[0], task="all", n=n * len(mine), seconds=sum(r["seconds"] for r in mine),
-                             **{k: avg(k) for k in ("accuracy", "agree_seq", "agree_tok", "k_bits_stored",
+                             **{k: avg(k) for k in ("agree_seq", "agree_tok", "k_bits_stored",
                                                     "v_bits_stored", "kv_bytes_per_problem",
-                                                    "kv_ratio_vs_bf16")}))
+                                                    "kv_ratio_vs_bf16")},
+                             **accuracy_fields(pooled), **_paired_fields(outcome, names, cache, label, paired)))
     return rows
 
 
+def _method_label(method: str, bits) -> str:
+    return "bf16" if method == "bf16" else f"{'KIVI' if method == 'kivi' else 'dLLM-KVQ'} K{bits}V{bits}"
+
+
+def _paired_fields(outcome, tasks, cache, label, paired) -> dict:
+    """A quantized row against the bf16 decode of the same cache (pooled over
+    `tasks`); empty (None) on the bf16 row itself."""
+    if label == "bf16":
+        return dict(vs=None, changed=None, lost=None, gained=None, p_paired=None)
+    pick = lambda lab, i: [x for t in tasks for x in outcome[(t, cache, lab)][i]]  # noqa: E731
+    return dict(vs=f"{cache} bf16", **paired(pick("bf16", 0), pick(label, 0), pick("bf16", 1),
+                                             pick(label, 1)).as_dict())
+
+
 def format_rows(rows) -> str:
-    head = (f"{'task':<6} {'cache':<6} {'method':<16} {'accuracy':>8} {'agree':>6} {'K bits':>6} "
+    from bench.stats import LEGEND, format_interval, format_p
+
+    head = (f"{'task':<6} {'cache':<6} {'method':<16} {'accuracy':>8} {'95% CI':>14} {'agree':>6} "
+            f"{'changed':>7} {'lost/gained':>11} {'p':>6} {'K bits':>6} "
             f"{'K stored':>8} {'V stored':>8} {'KV bytes/problem':>16} {'vs bf16':>7}")
     out = [head, "-" * len(head)]
     last = None
@@ -131,10 +159,15 @@ def format_rows(rows) -> str:
             out.append("")
         last = (r["task"], r["cache"])
         f = lambda v, w, p: f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        lg = "-" if r["lost"] is None else f"{r['lost']}/{r['gained']}"
+        ch = "-" if r["changed"] is None else str(r["changed"])
         out.append(f"{r['task']:<6} {r['cache']:<6} {r['method']:<16} {r['accuracy']:>8.1%} "
-                   f"{r['agree_seq']:>6.1%} {r['k_bits_policy']:>6.2f} {f(r['k_bits_stored'], 8, 2)} "
+                   f"{format_interval(r['acc_lo'], r['acc_hi']):>14} "
+                   f"{r['agree_seq']:>6.1%} {ch:>7} {lg:>11} {format_p(r['p_paired']):>6} "
+                   f"{r['k_bits_policy']:>6.2f} {f(r['k_bits_stored'], 8, 2)} "
                    f"{f(r['v_bits_stored'], 8, 2)} {f(r['kv_bytes_per_problem'], 16, 0)} "
                    f"{r['kv_ratio_vs_bf16']:>7.3f}")
+    out += [""] + textwrap.wrap(f"paired against: the bf16 row of the same cache. {LEGEND}", 100)
     return "\n".join(out)
 
 
