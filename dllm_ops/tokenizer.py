@@ -20,10 +20,14 @@ def word_level_tokenizer(words: list[str], chat_template: str | None = None) -> 
             vocab[tok] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS["unk"]))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    # Joins words with single spaces and nothing else: no cleanup (WordPiece's
+    # default would glue " ." / " ," / " 's" / " n't" onto the word before, and
+    # rewrite " do not" as " don't"), so decode(encode(text)) == the words of text.
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=SPECIALS["pad"], bos_token=SPECIALS["bos"],
-        eos_token=SPECIALS["eos"], mask_token=SPECIALS["mask"], unk_token=SPECIALS["unk"])
+        eos_token=SPECIALS["eos"], mask_token=SPECIALS["mask"], unk_token=SPECIALS["unk"],
+        clean_up_tokenization_spaces=False)
     if chat_template is not None:
         tok.chat_template = chat_template
     return tok

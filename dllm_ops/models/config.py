@@ -6,6 +6,7 @@ shift, so one config type and one module serve both.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 from ..errors import ModelConfigError
@@ -51,8 +52,43 @@ def _need(cfg: dict, key: str, path: str):
     return cfg[key]
 
 
+def _check_rope_scaling(cfg: dict, path: str) -> None:
+    """Refuse a RoPE scaling the model would not apply. The module runs plain
+    RoPE (``rope_theta`` only), as LLaDA's and Dream's configs ask: LLaDA's has
+    no ``rope_scaling``, Dream's has ``"rope_scaling": null``. A scaled config
+    (linear, dynamic, yarn, llama3, ...) loaded as if unscaled would compute
+    other positions than it was trained with, silently. No scaling is null,
+    ``{}`` or transformers' ``{"rope_type": "default"}``; transformers 5 writes
+    the same under ``rope_parameters`` (with ``rope_theta`` in it)."""
+    for key, plain in (("rope_scaling", {"rope_type", "type"}),
+                       ("rope_parameters", {"rope_type", "type", "rope_theta"})):
+        rs = cfg.get(key)
+        if rs is None or rs == {}:
+            continue
+        if not isinstance(rs, dict):
+            raise ConfigError(f"{path}: {key} {rs!r} is neither null nor an object")
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind == "default" and set(rs) <= plain:
+            continue
+        raise ConfigError(f"{path}: {key} {json.dumps(rs, sort_keys=True)} (type {kind!r}) is not "
+                          "supported: dllm_ops runs unscaled RoPE (rope_theta only), as LLaDA and "
+                          "Dream use it; loading this config would silently drop the scaling")
+
+
+def _rope_theta(cfg: dict, default: float) -> float:
+    """``rope_theta``, or transformers 5's ``rope_parameters.rope_theta``."""
+    if cfg.get("rope_theta") is not None:
+        return cfg["rope_theta"]
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    return default
+
+
 def from_hf_config(cfg: dict, path: str = "config.json") -> ModelConfig:
     mt = str(cfg.get("model_type", "")).lower()
+    if mt in ("llada", "dream"):
+        _check_rope_scaling(cfg, path)
     if mt == "llada":
         d, nh = _need(cfg, "d_model", path), _need(cfg, "n_heads", path)
         return ModelConfig(
@@ -62,7 +98,7 @@ def from_hf_config(cfg: dict, path: str = "config.json") -> ModelConfig:
             n_kv_heads=cfg.get("n_kv_heads") or nh, head_dim=d // nh,
             intermediate_size=_need(cfg, "mlp_hidden_size", path) // (
                 2 if cfg.get("mlp_hidden_size_is_fused", False) else 1),
-            rms_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0),
+            rms_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=_rope_theta(cfg, 10000.0),
             max_seq_len=cfg.get("max_sequence_length", 4096),
             qkv_bias=bool(cfg.get("include_qkv_bias", cfg.get("include_bias", False))),
             mask_id=cfg.get("mask_token_id", 126336), eos_id=cfg.get("eos_token_id", 126081),
@@ -76,7 +112,7 @@ def from_hf_config(cfg: dict, path: str = "config.json") -> ModelConfig:
             n_layers=_need(cfg, "num_hidden_layers", path), n_heads=nh,
             n_kv_heads=cfg.get("num_key_value_heads") or nh, head_dim=cfg.get("head_dim") or h // nh,
             intermediate_size=_need(cfg, "intermediate_size", path),
-            rms_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 1e6),
+            rms_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(cfg, 1e6),
             max_seq_len=cfg.get("max_position_embeddings", 32768), qkv_bias=True,
             mask_id=cfg.get("mask_token_id", 151666), eos_id=cfg.get("eos_token_id", 151643),
             pad_id=cfg.get("pad_token_id", 151643), bos_id=cfg.get("bos_token_id"),

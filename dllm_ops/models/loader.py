@@ -187,6 +187,13 @@ def _read_tensor(handle, file: str, name: str) -> torch.Tensor:
 def _weight_files(path: str) -> dict[str, str]:
     """Original tensor name -> the safetensors file holding it."""
     index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index) and os.path.exists(single):
+        # Two sets of weights (what an older save left when it wrote one over
+        # the other): reading either could silently give the stale one.
+        raise CheckpointError(f"{path}: holds both model.safetensors and model.safetensors.index.json "
+                              "(with its shards); which weights are current is ambiguous: delete the "
+                              "stale set, or save the model again (save removes the old files)")
     if os.path.exists(index):
         try:
             with open(index) as f:
@@ -196,7 +203,6 @@ def _weight_files(path: str) -> dict[str, str]:
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: no 'weight_map'")
         return {k: os.path.join(path, v) for k, v in wm.items()}
-    single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
         raise CheckpointError(f"{path}: neither model.safetensors nor "
                               "model.safetensors.index.json found")
@@ -279,35 +285,28 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
 
 
 def save(model: DiffusionLM, path: str, max_shard_bytes: int | None = None, tokenizer=None) -> None:
-    """Write ``model`` in its original layout (sharded when ``max_shard_bytes`` is set)."""
-    from safetensors.torch import save_file
+    """Write ``model`` in its original layout: ``model.safetensors``, or shards
+    ``model-0000i-of-0000n.safetensors`` of at most ``max_shard_bytes`` each (a
+    tensor larger than that gets a shard of its own) listed in
+    ``model.safetensors.index.json``. The weight files of an earlier save into
+    the folder (single file, index, shards of any count) are removed first, so
+    the folder never holds two sets of weights
+    (``huggingface_hub.save_torch_state_dict`` does the split and the cleaning)."""
+    from huggingface_hub import save_torch_state_dict
+    if max_shard_bytes is not None and not (isinstance(max_shard_bytes, int)
+                                            and not isinstance(max_shard_bytes, bool)
+                                            and max_shard_bytes > 0):
+        raise CheckpointError(f"max_shard_bytes {max_shard_bytes!r}: must be a positive integer "
+                              "(or None for one file)")
     os.makedirs(path, exist_ok=True)
     c: ModelConfig = model.config
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_config(c), f, indent=2)
     names = param_names(c)
     tensors = {names[k]: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if max_shard_bytes is None:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        shards, cur, size = [], {}, 0
-        for k, v in tensors.items():
-            nb = v.numel() * v.element_size()
-            if cur and size + nb > max_shard_bytes:
-                shards.append(cur)
-                cur, size = {}, 0
-            cur[k] = v
-            size += nb
-        shards.append(cur)
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": sum(v.numel() * v.element_size()
-                                                      for v in tensors.values())},
-                       "weight_map": weight_map}, f, indent=2)
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    save_torch_state_dict(tensors, path, max_shard_size=max_shard_bytes or max(total, 1),
+                          filename_pattern="model{suffix}.safetensors")
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tok is not None:
         tok.save_pretrained(path)
