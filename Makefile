@@ -26,11 +26,14 @@ venv: $(VENV)/.deps-stamp
 # Incremental (ninja) in-place build; a .pth makes `import dllm_ops` work from
 # anywhere inside the venv, another lets the plain `lm_eval` command find the
 # model `dllm_ops` (_dllm_ops_lm_eval.py; it imports nothing until lm_eval loads).
+# $(VENV)/bin/dllm-ops runs `python -m dllm_ops` (pip installs get it as a console script).
 PURELIB = $$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 build: venv
 	$(VPY) setup.py -q build_ext --inplace
 	echo "$(CURDIR)" > "$(PURELIB)/dllm_ops.pth"
 	echo "import _dllm_ops_lm_eval" > "$(PURELIB)/dllm_ops_lm_eval.pth"
+	printf '#!/bin/sh\n# dllm-ops = python -m dllm_ops (written by `make build`; pip installs the console script)\nexec "%s" -m dllm_ops "$$@"\n' "$(abspath $(VPY))" > "$(VENV)/bin/dllm-ops"
+	chmod +x "$(VENV)/bin/dllm-ops"
 
 # lm-eval (optional): `lm_eval --model dllm_ops ...` (dllm_ops/lm_eval_model.py).
 eval: build

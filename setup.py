@@ -14,6 +14,7 @@ Environment:
 """
 import glob
 import os
+import re
 import sys
 
 from setuptools import find_packages, setup
@@ -69,6 +70,13 @@ def extensions():
     return [CppExtension("dllm_ops._C", sources, extra_compile_args={"cxx": cxx}, **common)]
 
 
+def package_version() -> str:
+    """dllm_ops/_version.py's __version__ (read, not imported: the package needs
+    torch and the extension this file builds)."""
+    with open(os.path.join(ROOT, "dllm_ops", "_version.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M).group(1)
+
+
 # `lm_eval --model dllm_ops` (the optional [eval] extra): lm-eval knows only its
 # own models, so a one-line .pth imports _dllm_ops_lm_eval.py at start-up, which
 # registers the model once lm_eval loads its model list (`make build` writes the
@@ -85,7 +93,7 @@ class BuildPyWithLmEvalHook(build_py):
 
 setup(
     name="dllm_ops",
-    version="0.1.0",
+    version=package_version(),
     description="Fast diffusion-LLM inference kernels for PyTorch (d2Cache, DARE, dLLM-KVQ)",
     # SPDX id in `license`, the text in LICENSE. No "License ::" classifier:
     # setuptools >= 77 deprecates those in favour of an SPDX expression (PEP 639).
@@ -100,6 +108,9 @@ setup(
     # The shipped tiny models (weights, tokenizer, training log).
     package_data={"dllm_ops": ["checkpoints/*/*"]},
     py_modules=["_dllm_ops_lm_eval"],
+    # `dllm-ops generate ...` = `python -m dllm_ops generate ...` (`make build` writes
+    # the same command into the venv for the in-place build).
+    entry_points={"console_scripts": ["dllm-ops = dllm_ops.cli:main"]},
     extras_require={"eval": ["lm_eval>=0.4,<0.5"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithLmEvalHook},

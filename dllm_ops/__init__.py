@@ -3,6 +3,8 @@ import os
 
 import torch
 
+from ._version import __version__  # noqa: F401
+
 # DLLM_OPS_LIBRARY points at an alternative build of the same ops (the CMake
 # library, e.g. the sanitizer-instrumented one CI runs the suite against).
 _alt = os.environ.get("DLLM_OPS_LIBRARY")
