@@ -427,6 +427,9 @@ def cmd_serve(args) -> int:
     from .serve.command import serve
     config = decode_config(args)   # configuration errors before the model loads
     check_before_load(args, config, region=False)
+    if args.ray:   # each replica loads its own model
+        from .serve.replicas import serve_replicas
+        return serve_replicas(args, config)
     model, _, _ = load_model(args)
     return serve(args, model, config)
 

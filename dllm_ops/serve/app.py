@@ -208,11 +208,42 @@ async def _cancel_on_disconnect(request: Request, handle) -> None:
             return
 
 
+class _ReplicaHeader:
+    """ASGI middleware: ``x-dllm-replica`` on every response. Plain ASGI (not
+    ``@app.middleware``), so streamed bodies and disconnects pass untouched."""
+
+    def __init__(self, app, name: str):
+        self.app, self.header = app, (b"x-dllm-replica", name.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def _name_the_replica(app: FastAPI, replica: dict, metrics) -> None:
+    name = str(replica["replica"])
+    app.add_middleware(_ReplicaHeader, name=name)
+    if metrics is not None:
+        from prometheus_client import Gauge
+        Gauge("dllm_replica_info", "The replica that answers this scrape (Ray Serve)", ["replica"],
+              registry=metrics.registry).labels(replica=name).set(1)
+
+
 def create_app(engine, tokenizer, model_name: str, defaults: DecodeConfig, *, context_length: int,
                metrics=None, request_timeout: float | None = None,
-               drain_timeout: float = 30.0) -> FastAPI:
+               drain_timeout: float = 30.0, replica: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (started with the app, drained with
-    ``engine.shutdown(drain_timeout)`` when the app shuts down)."""
+    ``engine.shutdown(drain_timeout)`` when the app shuts down). ``replica``
+    (``{"replica": id, "pid": ...}``, one of several under Ray Serve:
+    dllm_ops/serve/replicas.py) names the replica in every response's
+    ``x-dllm-replica`` header, in ``/health`` and as ``dllm_replica_info``."""
     state = _App(engine, tokenizer, model_name, defaults, context_length=context_length,
                  metrics=metrics, request_timeout=request_timeout)
 
@@ -227,6 +258,8 @@ def create_app(engine, tokenizer, model_name: str, defaults: DecodeConfig, *, co
 
     app = FastAPI(title="dllm_ops", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
+    if replica is not None:
+        _name_the_replica(app, replica, metrics)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -235,8 +268,8 @@ def create_app(engine, tokenizer, model_name: str, defaults: DecodeConfig, *, co
     @app.get("/health")
     async def health():
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": "draining", **(replica or {})}, status_code=503)
+        return {"status": "ok", **(replica or {})}
 
     @app.get("/metrics")
     async def metrics_text():

@@ -5,6 +5,7 @@
         [--drain-timeout S] [--served-model-name NAME]
         [--config FILE.json] [--cache ...] [--threshold ...] [--set KEY=VALUE ...]
         [--dtype ...] [--device ...] [--threads N]
+        [--ray --replicas N [--gpus-per-replica G] [--cpus-per-replica C] [--ray-address ADDR]]
 
 The decode defaults are built as ``generate``'s are (dllm_ops/cli.py:
 ``--config``, the dedicated flags, ``--set`` through
@@ -15,6 +16,9 @@ SIGTERM drains: new requests get 503, uvicorn waits up to ``--drain-timeout``
 for the answers in flight, the engine is shut down with the same bound, and
 the process exits 0. SIGINT (Ctrl+C) does the same and then exits as
 interrupted.
+
+With ``--ray``, Ray Serve runs ``--replicas`` copies of this server
+(dllm_ops/serve/replicas.py); the flags mean the same for each replica.
 """
 from __future__ import annotations
 
@@ -37,6 +41,16 @@ def add_server_arguments(p) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = p.add_argument_group("replicas under Ray Serve (pip install '.[ray]'; dllm_ops/serve/replicas.py)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve --replicas copies of the server behind Ray Serve's proxy on --host:--port")
+    r.add_argument("--replicas", type=int, default=1, help="replicas, each with its own engine (default 1)")
+    r.add_argument("--gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray gives each replica (default 0: CPU replicas)")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica (default 1)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: start a local one on this machine)")
 
 
 def served_model_name(model_arg: str) -> str:
