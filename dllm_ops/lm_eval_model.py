@@ -1,10 +1,14 @@
 """lm-eval-harness (0.4.x) model ``dllm_ops``: generation tasks decoded by
-dllm_ops.generate with any cache method.
+dllm_ops.generate with any cache method; multiple-choice and perplexity tasks
+scored by the Monte-Carlo estimate of the masked-diffusion bound
+(dllm_ops.likelihood).
 
-    pip install .[eval]          # lm_eval; `make build` also registers the model
+    pip install -r requirements.txt   # lm_eval is pinned there; `make build` registers the model
     lm_eval --model dllm_ops \\
             --model_args pretrained=PATH|tiny-llada,cache.method=dual,reveal.unmask=threshold \\
             --tasks ... [--batch_size 16]
+    lm_eval --model dllm_ops --model_args pretrained=tiny-llada,mc_num=32,greedy_check=false \\
+            --tasks <multiple-choice tasks>
 
 ``--model_args``: the model-loading keys ``pretrained`` (a checkpoint folder
 or a shipped model name), ``dtype`` (auto | float32 | bfloat16 | float16;
@@ -26,10 +30,21 @@ batches (longest prompts first, left-padded: a row decodes as it would alone).
 to that many tokens, at EOS, and before the first ``until`` string.
 ``do_sample=True`` with a ``temperature`` samples at that temperature.
 
-loglikelihood / loglikelihood_rolling raise NotImplementedError: a diffusion
-LM has no left-to-right likelihood; LLaDA scores continuations with a
-Monte-Carlo estimate over random maskings, which this adapter does not
-implement. Multiple-choice tasks are therefore not supported.
+loglikelihood (multiple-choice tasks) and loglikelihood_rolling (perplexity):
+LLaDA's Monte-Carlo estimate of the masked-diffusion bound on
+log p(continuation | context), dllm_ops.likelihood (its docstring says exactly
+what is computed, the greedy flag and the rolling windows). model_args:
+``mc_num`` (draws per request, default 128), ``mc_batch_size`` (rows per
+model call, default 32; copies of several requests share a call; the estimate
+does not depend on it), ``seed`` (the decode's ``shape.seed``, which also seeds
+each request's draws), ``greedy_check`` (default true: ``is_greedy`` is the
+greedy decode's verdict, L model calls per request; false skips it and reports
+``is_greedy`` False, for tasks whose metrics never read it, e.g. acc of a
+multiple-choice task). A pair is encoded as lm-eval's own models encode it:
+trailing spaces of the context move to the continuation, the continuation's
+ids are those of context + continuation past the context's; an empty context
+becomes the BOS id (EOS without one); a context too long for the model keeps
+its last tokens.
 """
 from __future__ import annotations
 
@@ -43,12 +58,26 @@ from lm_eval.api.registry import register_model
 import dllm_ops
 from dllm_ops.config import config_from_model_args, region_length
 from dllm_ops.errors import LmEvalArgError
+from dllm_ops.likelihood import LikelihoodEstimator, rolling_windows
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 DEFAULT_MAX_GEN_TOKS = 256
+DEFAULT_MC_NUM = 128
+DEFAULT_MC_BATCH_SIZE = 32
+
+
+def _flag(name, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise LmEvalArgError(f"{name} must be true or false, got {value!r}")
 
 
 def _positive_int(name, value) -> int:
@@ -63,12 +92,16 @@ def _positive_int(name, value) -> int:
 class DllmOpsLM(LM):
     def __init__(self, pretrained: str, dtype: str = "auto", device: str | None = None,
                  batch_size=1, max_batch_size=None, threads=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS,
+                 mc_num=DEFAULT_MC_NUM, mc_batch_size=DEFAULT_MC_BATCH_SIZE, greedy_check=True,
                  **decode_settings):
         super().__init__()
         if str(dtype) not in DTYPES:
             raise LmEvalArgError(f"dtype {dtype!r}; choose from {sorted(DTYPES)}")
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        mc_num = _positive_int("mc_num", mc_num)
+        mc_batch_size = _positive_int("mc_batch_size", mc_batch_size)
+        self.greedy_check = _flag("greedy_check", greedy_check)
         # the decode configuration, and which of its fields model_args set
         self.decode_config, self._given = config_from_model_args(decode_settings, self.max_gen_toks)
         if threads is not None:
@@ -84,6 +117,8 @@ class DllmOpsLM(LM):
         self.tokenizer = self.model.tokenizer
         self.pretrained = str(pretrained)
         self.decode_stats = []   # generate()'s stats per batch, for whoever wants them
+        self.estimator = LikelihoodEstimator(self.model, mc_num=mc_num, batch_size=mc_batch_size,
+                                             seed=self.decode_config.shape.seed)
 
     # ---- lm-eval's interface ----------------------------------------------------------
     @property
@@ -101,16 +136,33 @@ class DllmOpsLM(LM):
         return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError(
-            "dllm_ops lm_eval model: loglikelihood is not implemented. A diffusion LM has no "
-            "left-to-right likelihood (LLaDA estimates it by Monte Carlo over random maskings, "
-            "which this adapter does not do); use generation tasks (output_type: generate_until).")
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self._encode_pair(*req.args) for req in requests]
+        lls = self._estimate(pairs, disable_tqdm, "dllm_ops loglikelihood")
+        greedy = self.estimator.greedy(pairs) if self.greedy_check else [False] * len(pairs)
+        out = []
+        for req, ll, g in zip(requests, lls, greedy):
+            out.append((ll, bool(g)))
+            self.cache_hook.add_partial("loglikelihood", req.args, (ll, bool(g)))
+        return out
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise NotImplementedError(
-            "dllm_ops lm_eval model: loglikelihood_rolling (perplexity) is not implemented: a "
-            "diffusion LM has no left-to-right likelihood; use generation tasks.")
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        prefix = self._prefix_id()
+        windows, owner = [], []
+        for r, req in enumerate(requests):
+            tokens = self._encode(req.args[0])
+            if tokens and tokens[0] == prefix:   # a text that starts with BOS: that is its context
+                tokens = tokens[1:]
+            for w in rolling_windows(tokens, prefix, self.model.config.max_seq_len):
+                windows.append(w)
+                owner.append(r)
+        lls = self._estimate(windows, disable_tqdm, "dllm_ops loglikelihood_rolling")
+        out = [0.0] * len(requests)
+        for r, ll in zip(owner, lls):
+            out[r] += ll
+        for req, ll in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
+        return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from tqdm.auto import tqdm
@@ -139,6 +191,40 @@ class DllmOpsLM(LM):
     # ---- decoding -----------------------------------------------------------------------
     def _encode(self, context: str) -> list[int]:
         return self.tokenizer(context, add_special_tokens=False)["input_ids"]
+
+    # ---- likelihoods ------------------------------------------------------------------
+    def _prefix_id(self) -> int:
+        c = self.model.config
+        return c.bos_id if c.bos_id is not None else c.eos_id
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's encoding of a pair (module docstring); the context is cut to fit."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        if context:
+            whole = self._encode(context + continuation)
+            ctx = self._encode(context)
+            cont = whole[len(ctx):]
+        else:
+            ctx, cont = [self._prefix_id()], self._encode(continuation)
+        room = self.model.config.max_seq_len - len(cont)
+        if room >= 1 and len(ctx) > room:
+            log.warning("dllm_ops lm_eval model: a context of %d tokens keeps its last %d "
+                        "(the model's context is %d)", len(ctx), room, self.model.config.max_seq_len)
+            ctx = ctx[-room:]
+        return ctx, cont
+
+    def _estimate(self, pairs, disable_tqdm: bool, desc: str) -> list[float]:
+        from tqdm.auto import tqdm
+
+        rows = len(pairs) * self.estimator.mc_num
+        bar = tqdm(total=rows, disable=disable_tqdm or rows <= self.estimator.batch_size, desc=desc,
+                   unit="draw")
+        try:
+            return self.estimator.loglikelihood(pairs, progress=bar.update)
+        finally:
+            bar.close()
 
     def _generate(self, prompts: list[list[int]], gen_kwargs: dict) -> list[str]:
         until = gen_kwargs.get("until") or []
