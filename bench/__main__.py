@@ -32,7 +32,7 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
 
 def _fmt_row(r):
     return (f"{r['op']:<18} {r['shape']:<22} {r['dtype']:<9} {r['impl']:<12} "
-            f"{r['median_us']:>11.1f} {r['GB/s']:>8.2f} {r['%copy']:>7.1f} {r['%copy@size']:>11.1f} "
+            f"{r['median_us']:>11.1f} {r['iqr_us']:>8.1f} {r['GB/s']:>8.2f} {r['%copy']:>7.1f} {r['%copy@size']:>11.1f} "
             f"{r['speedup']:>8.2f}")
 
 
@@ -49,7 +49,7 @@ def cpu_isa() -> tuple[str, str]:
 def cmd_ops(args) -> int:
     import dllm_ops  # noqa: F401  (registers the ops)
     from bench.cases import CASES
-    from bench.timing import copy_bandwidth, copy_fn, interleaved_medians
+    from bench.timing import copy_bandwidth, copy_fn, interleaved_stats
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -70,7 +70,7 @@ def cmd_ops(args) -> int:
     print(f"device={device} threads={torch.get_num_threads()}{isa} "
           f"copy bandwidth={copy_bw / 1e9:.2f} GB/s")
     header = (f"{'op':<18} {'shape':<22} {'dtype':<9} {'impl':<12} {'median_us':>11} "
-              f"{'GB/s':>8} {'%copy':>7} {'%copy@size':>11} {'speedup':>8}")
+              f"{'IQR_us':>8} {'GB/s':>8} {'%copy':>7} {'%copy@size':>11} {'speedup':>8}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -86,20 +86,24 @@ def cmd_ops(args) -> int:
             fns.update({name: (lambda f=f: f(*inputs)) for name, f in case.baselines.items()})
             if nbytes > 1:
                 fns[_COPY] = copy_fn(device, nbytes // 2)
-            times = interleaved_medians(fns, device)
-            size_bw = 2 * (nbytes // 2) / times.pop(_COPY) if nbytes > 1 else 0.0
-            t_kernel = times["dllm"]
-            impls = list(times.items())
-            for impl, t in impls:
+            stats = interleaved_stats(fns, device)
+            size_bw = 2 * (nbytes // 2) / stats.pop(_COPY).median if nbytes > 1 else 0.0
+            t_kernel = stats["dllm"].median
+            for impl, st in stats.items():
+                t = st.median
                 r = dict(op=case.op, shape=case.shape, dtype=str(dtype).replace("torch.", ""),
                          impl=impl, median_us=t * 1e6, **{"GB/s": nbytes / t / 1e9},
                          **{"%copy": 100 * nbytes / t / copy_bw},
                          **{"%copy@size": 100 * nbytes / t / size_bw if size_bw else 0.0},
                          speedup=t / t_kernel, device=str(device), copy_GBps=copy_bw / 1e9,
-                         copy_at_size_GBps=size_bw / 1e9, cpu_isa=isa.strip())
+                         copy_at_size_GBps=size_bw / 1e9, cpu_isa=isa.strip(),
+                         iqr_us=st.iqr * 1e6, q1_us=st.q1 * 1e6, q3_us=st.q3 * 1e6,
+                         samples=st.samples, calls_per_sample=st.calls_per_sample)
                 rows.append(r)
                 print(_fmt_row(r), flush=True)
-    print("speedup = impl time / dllm time (>1 means the baseline is slower); "
+    print("median_us: median over samples of back-to-back calls (on CUDA each sample one event pair), "
+          "IQR_us its interquartile range; "
+          "speedup = impl time / dllm time (>1 means the baseline is slower); "
           "GB/s counts the bytes the op must read and write; %copy@size compares it "
           "with a copy moving as many bytes (timed in alternating rounds with the case).")
     if args.csv:

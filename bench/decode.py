@@ -10,6 +10,12 @@ layers), model FLOPs, and wall-clock and FLOP speed-ups over vanilla measured
 in the same run. Synthetic models have random weights at real layer shapes
 (fewer layers), so they measure cost, not quality.
 
+Each mode first decodes untimed (``--warmup``: its first block by default,
+which runs every call shape of the mode and makes its allocations; ``full``
+the whole run; ``none``), so the first mode, the speed-up baseline, does not
+absorb the process's start-up costs. During a timed decode a progress line
+(tqdm, on stderr; ``--no-progress`` hides it) counts committed tokens.
+
 ``--long-d2cache`` is issue 43's comparison in one command: vanilla and dual
 in blocks of 32 against d²Cache in its own setting, one block spanning the
 generated region with k 8, p 0.1, σ 10, all at one token per call (top-k,
@@ -22,6 +28,7 @@ import argparse
 import csv
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -77,7 +84,6 @@ def resolve_model(name: str) -> str:
 def cmd_decode(args) -> int:
     import dllm_ops
     from dllm_ops.config import ReuseConfig
-    from dllm_ops.policies import D2Cache
 
     if args.task:
         from bench.accuracy import DEFAULT_CACHES, format_table, run_accuracy
@@ -121,12 +127,21 @@ def cmd_decode(args) -> int:
 
     rows, ran, first = [], [], None
     for mode, config in configs:
+        if args.warmup != "none":
+            warm = config if args.warmup == "full" else \
+                config.replace(shape=config.shape.replace(max_blocks=1))
+            with _Progress(_policy(config), len(prompts) * _tokens_to_commit(warm),
+                           f"{mode} (warm-up)", args.no_progress) as p:
+                dllm_ops.generate(model, prompts, warm, policy=p)
+        _sync(args.device)
         # d²Cache's policy times its own selection work (synchronised on a GPU).
-        policy = D2Cache(sync_timing=True, **_d2cache_kwargs(config)) if config.cache.method == "d2cache" \
-            else None
-        t0 = time.perf_counter()
-        out = dllm_ops.generate(model, prompts, config, policy=policy)
-        wall = time.perf_counter() - t0
+        policy = _policy(config)
+        with _Progress(policy, len(prompts) * _tokens_to_commit(config), mode, args.no_progress) as p:
+            t0 = time.perf_counter()
+            out = dllm_ops.generate(model, prompts, config, policy=p)
+            _sync(args.device)
+            wall = time.perf_counter() - t0
+        policy = policy if config.cache.method == "d2cache" else None
         s = out.stats
         r = dict(cache=mode, nfe=s["nfe"], wall_s=wall, tokens_per_s=s["generated_tokens"] / wall,
                  tokens_recomputed=s["tokens_recomputed"], model_tflops=s["model_flops"] / 1e12,
@@ -154,6 +169,52 @@ def cmd_decode(args) -> int:
     _print_table(rows)
     _write_csv(args.csv, rows)
     return 0
+
+
+def _policy(config):
+    """A fresh cache policy of the mode (d²Cache's times its own selection work,
+    synchronised on a GPU)."""
+    from dllm_ops.policies import D2Cache, make_policy
+
+    if config.cache.method == "d2cache":
+        return D2Cache(sync_timing=True, **_d2cache_kwargs(config))
+    return make_policy(config.cache)
+
+
+def _tokens_to_commit(config) -> int:
+    """Tokens one prompt commits in the blocks the decode runs."""
+    return config.shape.blocks_to_decode * config.shape.block_length
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Progress:
+    """Wraps a cache policy and advances a tqdm line on stderr by the tokens
+    each call commits (a context manager that closes the line)."""
+
+    def __init__(self, inner, total: int, desc: str, disable: bool = False):
+        from tqdm.auto import tqdm
+
+        self.inner = inner
+        self.bar = tqdm(total=total, desc=f"decode {desc}", unit="tok", file=sys.stderr,
+                        disable=disable, leave=False, dynamic_ncols=True)
+
+    def __getattr__(self, name):   # name, wants_probs, cache_config, plan, ...
+        return getattr(self.inner, name)
+
+    def on_step_end(self, state, commit):
+        self.inner.on_step_end(state, commit)
+        self.bar.update(int(commit.sum()))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
+        return False
 
 
 def _apply_defaults(args) -> None:
@@ -287,5 +348,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", default="block", choices=["block", "full", "none"],
+                   help="untimed decode of each mode before its timed one: its first block (default), "
+                        "the whole run, or none")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--csv")
     p.set_defaults(func=cmd_decode)

@@ -1,8 +1,11 @@
 """Timing and bandwidth measurement shared by every benchmark.
 
-Times are medians. On CUDA, CUDA events around each call of a synchronised
-loop; on the CPU, the wall clock around samples of back-to-back calls (each
-about a millisecond long). Bandwidth is reported against the machine's copy
+Times are medians, with the interquartile range of the samples beside them
+(`interleaved_stats`). A sample is a run of back-to-back calls lasting about
+a millisecond (one call when a call takes that long), timed by the wall clock
+on the CPU and by one pair of CUDA events on CUDA (after a synchronise), so
+neither the timer's nor an event's own cost weighs on microsecond kernels;
+a sample's time is its seconds per call. Bandwidth is reported against the machine's copy
 bandwidth measured in the same run, so figures from different machines can be
 compared as a fraction of what the memory can do.
 
@@ -17,45 +20,86 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-CUDA_CALLS = 25  # timed calls per function on CUDA, over all rounds
-SAMPLE_SECONDS = 1e-3  # CPU: calls per sample chosen so a sample lasts about this long
+CUDA_CALLS = 25  # CUDA: timed samples (event pairs) per function, over all rounds
+SAMPLE_SECONDS = 1e-3  # calls per sample chosen so a sample lasts about this long
+MAX_CALLS_PER_SAMPLE = 10_000
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call of one function: the median of its samples and their
+    quartiles (``q1``, ``q3``; the interquartile range ``iqr`` = q3 - q1)."""
+    median: float
+    q1: float
+    q3: float
+    samples: int
+    calls_per_sample: int
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3) of the samples, by linear interpolation between order
+    statistics (the 'inclusive' method: numpy's default percentile); one
+    sample is its own quartiles."""
+    if not xs:
+        raise ValueError("quartiles: no sample")
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _calls_per_sample(fn: Callable[[], object], device: torch.device) -> int:
-    """CPU: how many back-to-back calls make one sample of about
-    SAMPLE_SECONDS (the best of up to three timed calls sets it; one that
-    already takes that long ends the count at 1), so the timer's own cost
-    stays negligible for microsecond kernels."""
-    if device.type == "cuda":
-        return 1
+    """How many back-to-back calls make one sample of about SAMPLE_SECONDS
+    (the best of up to three timed calls sets it; one that already takes that
+    long ends the count at 1), so the timer's (CPU) or the event pair's (CUDA)
+    own cost stays negligible for microsecond kernels."""
     best = float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _time_once(fn, device))
         if best >= SAMPLE_SECONDS:
             return 1
-    return max(1, int(SAMPLE_SECONDS / max(best, 1e-9)))
+    return max(1, min(MAX_CALLS_PER_SAMPLE, int(SAMPLE_SECONDS / max(best, 1e-9))))
 
 
 def _samples(fn: Callable[[], object], device: torch.device, number: int, budget: float,
-             cuda_calls: int) -> list[float]:
-    """Seconds per call of fn: CPU, samples of `number` calls each until
-    `budget` seconds have passed (at least one); CUDA, cuda_calls calls
-    each between events."""
+             cuda_samples: int) -> list[float]:
+    """Seconds per call of fn, one value per sample of `number` calls: CPU,
+    samples until `budget` seconds have passed (at least one); CUDA,
+    cuda_samples samples, each between one pair of events."""
     times = []
     if device.type == "cuda":
-        for _ in range(cuda_calls):
+        torch.cuda.synchronize()
+        for _ in range(cuda_samples):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(number):
+                fn()
             end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / number)
         return times
     t_start = time.perf_counter()
     while True:
@@ -70,13 +114,20 @@ def _samples(fn: Callable[[], object], device: torch.device, number: int, budget
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device,
                         min_run_time: float = 0.3, rounds: int = 5) -> dict[str, float]:
-    """Median seconds per call of each function. After a warm-up call each
+    """Median seconds per call of each function (`interleaved_stats`' medians)."""
+    return {name: t.median for name, t in interleaved_stats(fns, device, min_run_time, rounds).items()}
+
+
+def interleaved_stats(fns: dict[str, Callable[[], object]], device: torch.device,
+                      min_run_time: float = 0.3, rounds: int = 5) -> dict[str, Timing]:
+    """Seconds per call of each function: median and quartiles over its
+    samples. After a warm-up call each
     (first-call allocations, lazy init) and up to three that size its samples,
     `rounds` rounds each time every function for min_run_time / rounds
-    seconds (on CUDA, its share of CUDA_CALLS calls), in forward order in
+    seconds (on CUDA, its share of CUDA_CALLS samples), in forward order in
     even rounds and in reverse order in odd ones, so that none always runs
-    right after the same other; each median is over all of that function's
-    samples."""
+    right after the same other; each median and quartile is over all of that
+    function's samples."""
     if not fns:
         raise ValueError("interleaved_medians: no function to time")
     if rounds < 1:
@@ -93,7 +144,11 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.devi
         for name, fn in (order if r % 2 == 0 else order[::-1]):
             samples[name] += _samples(fn, device, number[name], min_run_time / rounds,
                                       max(1, CUDA_CALLS // rounds))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    out = {}
+    for name, xs in samples.items():
+        q1, med, q3 = quartiles(xs)
+        out[name] = Timing(median=med, q1=q1, q3=q3, samples=len(xs), calls_per_sample=number[name])
+    return out
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, min_run_time: float = 0.3) -> float:
