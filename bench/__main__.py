@@ -133,7 +133,14 @@ def main(argv=None) -> int:
     from bench.serve_memory import add_parser as add_serve_memory
     add_serve_memory(sub)
     args = p.parse_args(argv)
-    return args.func(args)
+    from dllm_ops.errors import ConfigError, DllmOpsError, OptionError, TaskError
+    try:
+        return args.func(args)
+    except DllmOpsError as e:   # one line, as every dllm_ops CLI (dllm_ops/cli.py run_cli)
+        if os.environ.get("DLLM_OPS_TRACEBACK") == "1":
+            raise
+        print(f"python -m bench {args.cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2 if isinstance(e, (ConfigError, OptionError, TaskError)) else 1
 
 
 if __name__ == "__main__":

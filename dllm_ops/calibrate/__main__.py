@@ -16,6 +16,12 @@ storage sections of a :class:`dllm_ops.config.DecodeConfig`, validated there
 storage, starting from KIVI (no protected tokens) at those bits and group. At
 the end the command prints the sections that decode with the new table, as
 JSON (a partial ``python -m dllm_ops generate --config`` file).
+
+Errors follow the main CLI's convention (dllm_ops/cli.py, :func:`run_cli`):
+one line on stderr, ``dllm_ops.calibrate: error: ...``, exit status 2 for bad
+arguments or settings (checked before the model loads: choices, the decode
+sections, --tasks, the output folders) and 1 when the model, the trace or the
+selection fails; ``DLLM_OPS_TRACEBACK=1`` shows the traceback.
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ def decode_config(args):
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
+    from ..errors import CalibrationError
     from ..models import load
     from ..quant.policy_table import PolicyTable, model_fingerprint
     from ..tasks import BLOCK_LENGTH, TASKS, calibration_pairs, task_names
@@ -60,7 +67,10 @@ def run(args) -> dict:
 
     config = decode_config(args)
     cache, bits, group = config.cache.method, config.storage.bits, config.storage.group
-    name, path = _resolve(args.model)
+    try:
+        name, path = _resolve(args.model)
+    except SystemExit as e:   # _resolve's message, as the CLI's one-line error
+        raise CalibrationError(str(e.code)) from None
     model = load(path, dtype=torch.float32)
     c = model.config
     eos = c.eos_id
@@ -71,7 +81,7 @@ def run(args) -> dict:
     pairs = calibration_pairs(args.n, args.seed, tasks)
     for p in pairs:
         if max(p.prompt_ids + p.answer_ids) >= c.vocab_size:
-            raise SystemExit(f"dllm_ops.calibrate: task {p.task!r} uses token ids beyond the model's "
+            raise CalibrationError(f"task {p.task!r} uses token ids beyond the model's "
                              f"vocabulary ({c.vocab_size}); choose --tasks the model was trained on")
     trace_path = args.trace or args.out + ".trace.json"
     done = []
@@ -79,12 +89,12 @@ def run(args) -> dict:
         art = load_artifact(trace_path)
         diff = sorted(k for k in header if art.get(k) != header[k])
         if diff:
-            raise SystemExit(f"dllm_ops.calibrate: {trace_path} was made with other settings "
+            raise CalibrationError(f"{trace_path} was made with other settings "
                              f"({', '.join(diff)} differ); delete it or pass another --trace")
         done = art["samples"]
         for s, p in zip(done, pairs):
             if s["prompt"] != list(p.prompt_ids):
-                raise SystemExit(f"dllm_ops.calibrate: {trace_path}: sample prompts do not match "
+                raise CalibrationError(f"{trace_path}: sample prompts do not match "
                                  f"the calib pairs; delete it")
     trajectories = list(done)
     bar = tqdm(total=len(pairs), initial=len(done), desc=f"TRACE {name}", unit="sample")
@@ -124,31 +134,65 @@ def run(args) -> dict:
     return table.to_json()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dllm_ops.calibrate", description=__doc__.split("\n\n")[0])
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (run_cli prints it; exit status 2)."""
+
+    def error(self, message):
+        from ..cli import UsageError
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import positive_int
+    from ..config import STORAGE_BITS, STORAGE_GROUPS
+    from ..quant.policy_table import CACHE_MODES
+    p = _Parser(prog="python -m dllm_ops.calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="tiny-llada | tiny-dream | checkpoint folder | Hub id in the local cache (org/name[@rev])")
-    p.add_argument("--cache", required=True, choices=["prefix", "dual"])
-    p.add_argument("--bits", required=True, type=int, help="2 | 4 (storage.bits)")
-    p.add_argument("--group", type=int, default=32,
+    p.add_argument("--cache", required=True, choices=CACHE_MODES, help="the cache the table is for")
+    p.add_argument("--bits", required=True, type=int, choices=STORAGE_BITS, help="storage.bits")
+    p.add_argument("--group", type=int, default=32, choices=STORAGE_GROUPS,
                    help="K token group / V channel group (storage.group, default 32)")
     p.add_argument("--out", required=True, help="policy table (JSON) to write")
-    p.add_argument("--n", type=int, default=8, help="calibration samples (the paper uses 8)")
+    p.add_argument("--n", type=positive_int, default=8, help="calibration samples (the paper uses 8)")
     p.add_argument("--tasks", default="all", help="calib tasks to cycle through (all | a,b,...)")
     p.add_argument("--seed", type=int, default=0, help="which calib pairs")
-    p.add_argument("--steps-per-block", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=4, help="TRACE refinement round limit")
+    p.add_argument("--steps-per-block", type=positive_int, default=4)
+    p.add_argument("--rounds", type=positive_int, default=4, help="TRACE refinement round limit")
     p.add_argument("--trace", help="TRACE artifact (default <out>.trace.json); resumed if present")
-    p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
-    from ..errors import ConfigError
+    p.add_argument("--threads", type=positive_int, default=None)
+    return p
+
+
+def check_args(args) -> None:
+    """What can be refused before the model loads (a usage error, exit status 2):
+    the decode sections, --tasks, the folders --out and --trace are written to."""
+    from ..cli import UsageError
+    from ..errors import ConfigError, TaskError
+    from ..tasks import task_names
     try:
-        decode_config(args)   # settings errors before anything loads
-    except ConfigError as e:
-        p.error(str(e))
+        decode_config(args)
+        task_names(args.tasks)
+    except (ConfigError, TaskError) as e:
+        raise UsageError(str(e)) from None
+    for flag, path in (("--out", args.out), ("--trace", args.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: no such folder {folder}")
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)   # settings errors before anything loads
     if args.threads:
         torch.set_num_threads(args.threads)
     run(args)
     return 0
+
+
+def main(argv=None) -> int:
+    """``python -m dllm_ops.calibrate`` (``argv`` without the program name)."""
+    from ..cli import run_cli
+    return run_cli(_main, argv, prog="dllm_ops.calibrate: ")
 
 
 if __name__ == "__main__":
