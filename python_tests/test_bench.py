@@ -127,3 +127,115 @@ def test_bench_serve_memory_packed_caches_admit_more(capsys):
     assert rows["bf16 (full)"] == 3                  # 311296 bytes each under 1e6
     assert rows["K2V2 (kivi)"] > rows["bf16 (full)"]
     assert rows["K4V4 (kivi)"] >= rows["bf16 (full)"]
+
+
+# ---- quartiles and IQR (bench/timing.py) -----------------------------------
+
+def test_quartiles_by_hand():
+    from bench.timing import quartiles
+    # linear interpolation at (n - 1) p: n = 5 -> positions 1, 2, 3
+    assert quartiles([5.0, 1.0, 4.0, 2.0, 3.0]) == (2.0, 3.0, 4.0)
+    # n = 4 -> positions 0.75, 1.5, 2.25 of [1, 2, 4, 10]
+    assert quartiles([10.0, 1.0, 2.0, 4.0]) == pytest.approx((1.75, 3.0, 5.5))
+    assert quartiles([7.0]) == (7.0, 7.0, 7.0)
+    assert quartiles([1.0, 3.0]) == pytest.approx((1.5, 2.0, 2.5))
+    with pytest.raises(ValueError):
+        quartiles([])
+    # numpy's default percentile is the same rule
+    import numpy as np
+    xs = [float(x) for x in np.random.default_rng(0).exponential(size=37)]
+    assert quartiles(xs) == pytest.approx(tuple(np.percentile(xs, [25, 50, 75])), rel=1e-12)
+
+
+def test_interleaved_stats_reports_the_spread_of_the_samples(monkeypatch):
+    """On a fake clock: a function whose calls alternate between 1 and 3 ms has
+    median 2 ms and quartiles 1 and 3 ms; one that takes 2 ms every call has an
+    IQR of 0; interleaved_medians is the same measurement's medians."""
+    from bench import timing
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(timing, "time", clock)
+    state = {"i": 0}
+
+    def jumpy():
+        state["i"] += 1
+        clock.now += 3e-3 if state["i"] % 2 else 1e-3
+
+    def steady():
+        clock.now += 2e-3
+
+    stats = timing.interleaved_stats({"jumpy": jumpy, "steady": steady}, CPU, min_run_time=0.2, rounds=2)
+    j, s = stats["jumpy"], stats["steady"]
+    assert j.calls_per_sample == 1 and s.calls_per_sample == 1   # each call lasts >= SAMPLE_SECONDS
+    assert j.samples >= 40 and s.samples >= 40
+    assert j.q1 == pytest.approx(1e-3) and j.q3 == pytest.approx(3e-3) and j.iqr == pytest.approx(2e-3)
+    assert 1e-3 <= j.median <= 3e-3
+    assert (s.median, s.iqr) == (pytest.approx(2e-3), pytest.approx(0.0, abs=1e-12))
+    med = timing.interleaved_medians({"steady": steady}, CPU, min_run_time=0.05, rounds=1)
+    assert med["steady"] == pytest.approx(2e-3)
+
+
+def test_calls_per_sample_batches_short_calls(monkeypatch):
+    from bench import timing
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(timing, "time", clock)
+
+    def call(seconds):
+        def fn():
+            clock.now += seconds
+        return fn
+
+    assert timing._calls_per_sample(call(2 * timing.SAMPLE_SECONDS), CPU) == 1
+    assert timing._calls_per_sample(call(timing.SAMPLE_SECONDS / 8), CPU) in (7, 8)   # float rounding
+    assert timing._calls_per_sample(call(1e-12), CPU) == timing.MAX_CALLS_PER_SAMPLE
+
+
+def test_bench_ops_prints_and_writes_the_iqr(tmp_path, capsys):
+    out = tmp_path / "rows.csv"
+    assert main(["ops", "--op", "gather_rows", "--dtype", "fp32", "--csv", str(out)]) == 0
+    assert "IQR_us" in capsys.readouterr().out
+    for r in csv.DictReader(open(out)):
+        q1, med, q3 = float(r["q1_us"]), float(r["median_us"]), float(r["q3_us"])
+        assert q1 <= med <= q3 and float(r["iqr_us"]) == pytest.approx(q3 - q1)
+        assert int(r["samples"]) >= 1 and int(r["calls_per_sample"]) >= 1
+
+
+# ---- bench decode: warm-up per mode, progress line -------------------------
+
+@pytest.mark.models
+@pytest.mark.parametrize("warmup", ["block", "none"])
+def test_bench_decode_warms_each_mode_up_before_timing_it(warmup, monkeypatch, capsys, tmp_path):
+    import dllm_ops
+    seen = []
+    real = dllm_ops.generate
+
+    def spy(model, prompts, config, **kw):
+        seen.append((config.cache.method, config.shape.max_blocks))
+        return real(model, prompts, config, **kw)
+
+    monkeypatch.setattr(dllm_ops, "generate", spy)
+    out = tmp_path / "cost.csv"
+    assert main(["decode", "--model", "tiny-llada", "--prompt-length", "8", "--gen-length", "32",
+                 "--block-length", "16", "--caches", "none", "dual", "--threads", "1", "--dtype", "fp32",
+                 "--warmup", warmup, "--csv", str(out)]) == 0
+    if warmup == "block":   # the first block untimed, then the timed run, mode by mode
+        assert seen == [("none", 1), ("none", None), ("dual", 1), ("dual", None)]
+    else:
+        assert seen == [("none", None), ("dual", None)]
+    err = capsys.readouterr().err
+    assert "decode none" in err and "decode dual" in err and "tok" in err   # tqdm on stderr
+    rows = list(csv.DictReader(open(out)))
+    assert [r["cache"] for r in rows] == ["none", "dual"] and float(rows[0]["speedup_wall"]) == 1.0
