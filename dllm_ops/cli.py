@@ -296,25 +296,24 @@ def check_before_load(args, config, *, region: bool = True) -> None:
     the checkpoint's config.json before the weights load (a usage error, exit
     status 2): Dream-only sampling options on LLaDA, the reveal rule and the
     block geometry (``region=False``, the server: the region comes with each
-    request, so only what does not depend on it), a kvq policy table's file
+    request, so the rule is checked on one block), a kvq policy table's file
     and the model, cache, bits and group it was made for."""
     from .errors import DllmOpsError
     from .policies import make_policy
-    from .reveal import build_reveal, check_sampling
+    from .reveal import build_reveal
     mc = _model_config(args.model)
     if mc is None:
         return
     command = getattr(args, "command", None) or "generate"
     try:
         cache_method = make_policy(config.cache).name
-        if region:
-            build_reveal(mc.arch, config.reveal, config.shape, cache_method, generators=[])
-            if config.shape.gen_length >= mc.max_seq_len:
-                raise UsageError(f"python -m dllm_ops {command}: shape.gen_length "
-                                 f"({config.shape.gen_length}) leaves no room for a prompt in the "
-                                 f"model's {mc.max_seq_len} positions")
-        else:
-            check_sampling(mc.arch, config.reveal)
+        shape = config.shape
+        if not region:
+            shape = shape.replace(gen_length=shape.block_length, steps=None, max_blocks=None)
+        build_reveal(mc.arch, config.reveal, shape, cache_method, generators=[])
+        if region and shape.gen_length >= mc.max_seq_len:
+            raise UsageError(f"python -m dllm_ops {command}: shape.gen_length ({shape.gen_length}) "
+                             f"leaves no room for a prompt in the model's {mc.max_seq_len} positions")
         _check_storage(config.storage, cache_method, mc)
     except DllmOpsError as e:
         raise UsageError(str(e)) from None

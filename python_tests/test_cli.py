@@ -1,5 +1,8 @@
 """`python -m dllm_ops generate`: text and stats, --json, --config / --print-config,
-one-line errors."""
+one-line errors (the CLI conventions of issue 42 -- choices before the model
+loads, stdout / stderr, --version, the console script, prompts from a file or
+stdin, every CLI's one-line errors -- are in test_cli_conventions.py)."""
+import io
 import json
 import os
 import subprocess
@@ -28,6 +31,13 @@ def dream_path(tmp_path_factory):
     return path
 
 
+class _Terminal(io.StringIO):
+    """A stdin that is a terminal (the CLI reads prompts only from a pipe or file)."""
+
+    def isatty(self):
+        return True
+
+
 def _run(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -40,7 +50,8 @@ def test_generate_prints_the_answer_and_stats(capsys):
                         "--gen-length", "16", "--block-length", "16", "--cache", "dual",
                         "--unmask", "threshold", "--threshold", "0.9")
     assert rc == 0, err
-    text, stats = out.rstrip("\n").split("\n")
+    text, stats = out.rstrip("\n"), err.rstrip("\n")   # the text on stdout, the stats on stderr
+    assert "\n" not in stats
     model = dllm_ops.load("tiny-llada", dtype=torch.float32)
     want = dllm_ops.generate(model, model.tokenizer, prompt=p.prompt, gen_length=16, block_length=16,
                              cache="dual", unmask="threshold", threshold=0.9)
@@ -73,7 +84,8 @@ def test_generate_json_batch_and_set_options(capsys, dream_path):
 @pytest.mark.parametrize("argv,status,message", [
     (["generate", "--model", "no-such-model", "--prompt", "x"], 1,
      "error: dllm_ops.load: 'no-such-model' is neither a checkpoint folder nor a shipped model"),
-    (["generate", "--model", "tiny-llada"], 2, "the following arguments are required: --prompt"),
+    (["generate", "--model", "tiny-llada"], 2, "the following arguments are required: --prompt "
+     "(or --prompt-file FILE, or prompts on stdin)"),
     (["generate", "--model", "tiny-llada", "--prompt", "x", "--set", "nonsense=1"], 2,
      "error: dllm_ops config: unknown setting 'nonsense'"),
     (["generate", "--model", "tiny-llada", "--prompt", "x", "--set", "threshold"], 2,
@@ -87,6 +99,9 @@ def test_generate_json_batch_and_set_options(capsys, dream_path):
     (["generate", "--model", "tiny-llada", "--prompt", "<bos> add", "--gen-length", "15"], 2,
      "error: dllm_ops config: shape.gen_length = 15: must be a multiple of shape.block_length (32)"),
     (["generate", "--model", "tiny-llada", "--prompt", "<bos> add", "--cache", "nope"], 2,
+     "argument --cache: invalid choice: 'nope' (choose from 'none', 'prefix', 'dual', 'd2cache', "
+     "'stale')"),
+    (["generate", "--model", "tiny-llada", "--prompt", "<bos> add", "--set", "cache=nope"], 2,
      "error: dllm_ops config: cache.method = 'nope': must be one of"),
     (["generate", "--model", "tiny-llada", "--prompt", "x", "--set", "d2cache.rollout_p=0.2"], 2,
      "error: dllm_ops config: cache.d2cache = "),
@@ -98,7 +113,8 @@ def test_generate_json_batch_and_set_options(capsys, dream_path):
     (["generate", "--model", "tiny-llada", "--prompt", "x", "--dtype", "fp64"], 2, "--dtype: invalid choice"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
 ])
-def test_errors_are_one_line(capsys, argv, status, message):
+def test_errors_are_one_line(capsys, monkeypatch, argv, status, message):
+    monkeypatch.setattr(sys, "stdin", _Terminal())   # no prompts on stdin
     rc, out, err = _run(capsys, *argv)
     assert rc == status
     assert out == ""
@@ -107,15 +123,25 @@ def test_errors_are_one_line(capsys, argv, status, message):
 
 
 def test_module_entry_point_exits_nonzero_without_traceback():
+    """A setting the model refuses is a configuration error (2), found from its
+    config.json before the weights load; a prompt the model cannot hold fails
+    the decode (1)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("DLLM_OPS_TRACEBACK", None)
     r = subprocess.run([sys.executable, "-m", "dllm_ops", "generate", "--model", "tiny-llada",
                         "--prompt", "<bos> add 1 =", "--dtype", "fp32", "--set", "top_p=0.5"],
                        capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert r.stdout == ""
     assert r.stderr == ("error: dllm_ops.generate: top_p are Dream sampling options; "
                         "LLaDA's generate has none\n")
+    model = dllm_ops.load("tiny-llada", dtype=torch.float32, tokenizer=False)
+    too_long = " ".join(["1"] * model.config.max_seq_len)
+    r = subprocess.run([sys.executable, "-m", "dllm_ops", "generate", "--model", "tiny-llada",
+                        "--prompt", too_long, "--gen-length", "16", "--block-length", "16"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("error: dllm_ops.generate: prompt 0 (") and r.stderr.count("\n") == 1
 
 
 def test_option_parsing():
