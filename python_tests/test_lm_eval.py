@@ -1,6 +1,8 @@
 """The lm-eval model `dllm_ops` (dllm_ops/lm_eval_model.py) and the generated
-local task (scripts/make_lm_eval_task.py). Skipped without lm_eval (an
-optional extra: pip install .[eval]); CI installs only requirements.txt."""
+local tasks (scripts/make_lm_eval_task.py): generation and multiple choice,
+in process and through the plain `lm_eval` command. lm_eval is pinned in
+requirements.txt, so `make test` runs these (they skip only in an
+environment without it)."""
 import json
 import os
 import subprocess
@@ -16,14 +18,15 @@ from lm_eval.api.instance import Instance
 import dllm_ops
 from dllm_ops.lm_eval_model import DllmOpsLM
 from dllm_ops.config import DecodeConfig
-from dllm_ops.errors import ConfigError
+from dllm_ops.errors import ConfigError, LmEvalArgError
+from dllm_ops.likelihood import LikelihoodEstimator, rolling_windows
 from dllm_ops.options import OptionError
 from dllm_ops.policies import POLICIES
 from dllm_ops.tasks import TASKS, problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from make_lm_eval_task import write_tasks  # noqa: E402
+from make_lm_eval_task import N_DISTRACTORS, mc_choices, write_mc_tasks, write_tasks  # noqa: E402
 
 BASE = dict(pretrained="tiny-llada", dtype="float32", device="cpu", block_length=16)
 
@@ -99,13 +102,53 @@ def test_model_args_pass_through_to_generate(model):
         DllmOpsLM(**BASE, batch_size="auto")
 
 
-def test_loglikelihood_says_it_is_not_implemented():
-    lm = DllmOpsLM(**BASE)
-    req = Instance("loglikelihood", doc={}, arguments=("a", "b"), idx=0)
-    with pytest.raises(NotImplementedError, match="loglikelihood is not implemented.*Monte Carlo"):
-        lm.loglikelihood([req])
-    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
-        lm.loglikelihood_rolling([req])
+def _ll_requests(pairs):
+    return [Instance("loglikelihood", doc={}, arguments=(c, x), idx=i) for i, (c, x) in enumerate(pairs)]
+
+
+def test_loglikelihood_is_the_masked_diffusion_estimate(model):
+    """loglikelihood encodes each pair as lm-eval's models do and returns the
+    estimator's value (mc_num, mc_batch_size, seed from model_args) with the
+    greedy flag."""
+    p = min(problems("add", 8, seed=7), key=lambda q: len(q.answer_ids))
+    words = [str(d) for d in range(10)]
+    choices, label = mc_choices(p.answer, words, p.prompt)
+    lm = DllmOpsLM.create_from_arg_string(
+        "pretrained=tiny-llada,dtype=float32,mc_num=8,mc_batch_size=12,seed=4", {"device": "cpu"})
+    assert lm.estimator.mc_num == 8 and lm.estimator.batch_size == 12 and lm.estimator.seed == 4
+    # the trailing space of a context moves to the continuation; "" context: the BOS prefix
+    pairs = [(p.prompt, " " + c) for c in choices] + [(p.prompt + " ", choices[label]), ("", p.prompt)]
+    got = lm.loglikelihood(_ll_requests(pairs))
+    ids = [(list(p.prompt_ids), list(model.tokenizer(c, add_special_tokens=False)["input_ids"]))
+           for c in choices]
+    bos = model.config.bos_id
+    ids += [ids[label], ([bos], list(p.prompt_ids))]
+    est = LikelihoodEstimator(model, mc_num=8, batch_size=32, seed=4)
+    assert [g[0] for g in got] == pytest.approx(est.loglikelihood(ids), abs=1e-5)
+    assert [g[1] for g in got] == est.greedy(ids)
+    assert got[-2] == got[label]
+    # greedy_check=false: no greedy decode, is_greedy reported False
+    lm_fast = DllmOpsLM(**BASE, mc_num=8, seed=4, greedy_check="false")
+    assert lm_fast.loglikelihood(_ll_requests(pairs[:2])) == [(got[0][0], False), (got[1][0], False)]
+    for bad, msg in [(dict(mc_num=0), "mc_num must be a positive integer, got 0"),
+                     (dict(mc_batch_size="x"), "mc_batch_size must be a positive integer"),
+                     (dict(greedy_check="maybe"), "greedy_check must be true or false, got 'maybe'")]:
+        with pytest.raises(LmEvalArgError, match=r"^dllm_ops lm_eval model: " + msg):
+            DllmOpsLM(**BASE, **bad)
+
+
+def test_loglikelihood_rolling_sums_the_windows(model):
+    """A text longer than the model's context: the sum of its rolling windows'
+    estimates (the BOS the text starts with is its first context)."""
+    text = " ".join(["<bos>"] + [str(i % 10) for i in range(300)])
+    lm = DllmOpsLM(**BASE, mc_num=2, mc_batch_size=8, seed=1)
+    req = Instance("loglikelihood_rolling", doc={}, arguments=(text,), idx=0)
+    got = lm.loglikelihood_rolling([req])
+    tokens = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows = rolling_windows(tokens[1:], model.config.bos_id, model.config.max_seq_len)
+    assert len(windows) == 2 and sum(len(w[1]) for w in windows) == 300
+    want = sum(LikelihoodEstimator(model, mc_num=2, seed=1).loglikelihood(windows))
+    assert got == [pytest.approx(want, abs=1e-4)] and got[0] < 0
 
 
 def test_plain_lm_eval_finds_the_model():
@@ -156,3 +199,43 @@ def test_lm_eval_exact_match_equals_bench_accuracy(model, tmp_path, monkeypatch)
     # the run's config records exactly the model_args it was given, as JSON
     assert json.loads(json.dumps(res["config"]["model_args"])) == \
         dict(BASE, cache="dual", unmask="threshold", threshold=0.9)
+
+
+def test_plain_lm_eval_command_scores_the_multiple_choice_task(model, tmp_path):
+    """`lm_eval --model dllm_ops --tasks dllm_tasks_mc` in a subprocess, as a user
+    runs it: the model is found through the start-up hook (_dllm_ops_lm_eval,
+    the .pth `make build` writes), the local tasks through --include_path, and
+    every task's acc is what the estimator's argmax over the choices gives on
+    the same documents (6 per task, mc_num 8), well above chance (0.25)."""
+    import glob
+
+    names = _known_tasks(model.tokenizer)
+    n = 6
+    write_mc_tasks(str(tmp_path / "tasks"), names, n=n, seed=3, tokenizer=model.tokenizer)
+    lm_eval_cmd = os.path.join(os.path.dirname(sys.executable), "lm_eval")
+    cmd = [lm_eval_cmd, "--model", "dllm_ops", "--model_args",
+           "pretrained=tiny-llada,dtype=float32,mc_num=8,mc_batch_size=64,greedy_check=false,threads=1",
+           "--tasks", "dllm_tasks_mc", "--include_path", str(tmp_path / "tasks"), "--device", "cpu",
+           "--output_path", str(tmp_path / "out")]
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    files = glob.glob(str(tmp_path / "out" / "**" / "results*.json"), recursive=True)
+    assert len(files) == 1, files
+    res = json.load(open(files[0]))["results"]
+    est = LikelihoodEstimator(model, mc_num=8, batch_size=64, seed=0)
+    accs = []
+    for t in names:
+        docs = [json.loads(line) for line in open(tmp_path / "tasks" / f"{t}_mc.jsonl")]
+        assert len(docs) == n and all(len(d["choices"]) == 1 + N_DISTRACTORS for d in docs)
+        reqs = [(list(model.tokenizer(d["prompt"], add_special_tokens=False)["input_ids"]),
+                 list(model.tokenizer(c, add_special_tokens=False)["input_ids"]))
+                for d in docs for c in d["choices"]]
+        ll = est.loglikelihood(reqs)
+        k = 1 + N_DISTRACTORS
+        acc = sum(max(range(k), key=lambda j: (ll[k * i + j], -j)) == d["label"]
+                  for i, d in enumerate(docs)) / n
+        assert res[f"dllm_{t}_mc"]["acc,none"] == pytest.approx(acc, abs=1e-12), t
+        accs.append(acc)
+    assert res["dllm_tasks_mc"]["acc,none"] == pytest.approx(sum(accs) / len(accs), abs=1e-12)
+    assert res["dllm_tasks_mc"]["acc,none"] >= 0.75
