@@ -50,6 +50,8 @@ DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_th
 REMASKING = ("low_confidence", "random")
 CACHE_METHODS = ("none", "prefix", "dual", "d2cache", "stale")
 REUSE_METHODS = ("none", "kv", "o")
+#: per reuse method, its selection rules; the first is the default
+REUSE_RULES = {"kv": ("drift",), "o": ("context", "drift")}
 STORAGE_METHODS = ("full", "kivi", "kvq")
 STORAGE_BITS = (2, 4)
 STORAGE_GROUPS = (8, 16, 32, 64, 128)
@@ -299,21 +301,28 @@ class ReuseConfig(_Section):
     """Per-layer reuse inside each call (DARE): method none | kv (only drifting
     tokens recompute K/V) | o (only drifting tokens attend). Exactly one of
     rho (target reuse fraction in [0, 1), with phi_max in [rho, 1), default
-    (1 + rho) / 2) or tau (reuse iff drift < tau)."""
+    (1 + rho) / 2) or tau (reuse iff drift < tau). ``rule`` is what a token's
+    drift measures: ``drift`` (DARE's query drift, the only rule of kv) or
+    ``context`` (DARE-O's default: query drift plus the attention-weighted
+    drift of the keys the token attended to at its last recompute; see
+    dllm_ops/dare.py). Null means the method's default and is stored as it."""
     key = "reuse"
     method: str = "none"
     rho: float | None = None
     tau: float | None = None
     phi_max: float | None = None
+    rule: str | None = None
 
     def __post_init__(self):
         w = self.key
         _choice(f"{w}.method", self.method, REUSE_METHODS)
         if self.method == "none":
-            for name in ("rho", "tau", "phi_max"):
+            for name in ("rho", "tau", "phi_max", "rule"):
                 if getattr(self, name) is not None:
                     raise _bad(f"{w}.{name}", getattr(self, name), "null with reuse.method 'none'")
             return
+        rules = REUSE_RULES[self.method]
+        _set(self, "rule", _choice(f"{w}.rule", self.rule, rules, optional=True) or rules[0])
         if (self.rho is None) == (self.tau is None):
             raise ConfigError(f"{w}: give exactly one of rho (target reuse fraction) or tau "
                               f"(drift threshold), got rho={self.rho!r}, tau={self.tau!r}")
@@ -423,7 +432,7 @@ _KEYWORD_FIELDS = {
 }
 #: generate()'s dict-valued keywords and what their keys become
 _D2CACHE_KEYS = {"rollout_p": "rollout_p", "current_k": "current_k", "sigma": "density_sigma"}
-_DARE_KEYS = ("rho", "tau", "phi_max")
+_DARE_KEYS = ("rho", "tau", "phi_max", "rule")
 _KV_QUANT_KEYS = {"bits": "bits", "method": "method", "policy": "table", "group": "group"}
 KEYWORDS = tuple(_KEYWORD_FIELDS) + ("d2cache", "dare", "dare_opts", "kv_quant")
 
@@ -486,7 +495,7 @@ def merge(base: DecodeConfig, tree: dict) -> DecodeConfig:
             if key == "cache" and value.get("method", section["method"]) != "d2cache":
                 section["d2cache"] = None   # options of a method no longer chosen
             if key == "reuse" and "method" in value and value["method"] != section["method"]:
-                section.update(rho=None, tau=None, phi_max=None)
+                section.update(rho=None, tau=None, phi_max=None, rule=None)
             if key == "reuse" and ("rho" in value or "tau" in value):
                 section.update(rho=None, tau=None)   # one mode replaces the other
             if key == "storage" and value.get("method", section["method"]) != section["method"]:
@@ -615,7 +624,8 @@ def mode_tree(spec: str) -> dict:
     """A bench mode string as a partial DecodeConfig dict.
 
     ``"dual"``: a cache method; ``"dual+kv@0.75"`` / ``"dual+o@t0.05"``: with
-    DARE-KV / DARE-O at target reuse ρ or drift threshold τ;
+    DARE-KV / DARE-O at target reuse ρ or drift threshold τ (``"dual+o:drift@0.5"``:
+    with a selection rule other than the method's default, reuse.rule);
     ``"d2cache:k=4,p=0.1,sigma=3"``: d²Cache with current_k / rollout_p /
     density_sigma."""
     if not isinstance(spec, str) or not spec:
@@ -635,10 +645,14 @@ def mode_tree(spec: str) -> dict:
         tree["cache"]["d2cache"] = d2
     if plus:
         mech, _, value = dare.partition("@")
+        mech, colon, rule = mech.partition(":")
         number = parse_value(value[1:] if value.startswith("t") else value)
-        if not _is_real(number):
-            raise ConfigError(f"mode {spec!r}: write DARE as dual+kv@0.75 (rho) or dual+o@t0.05 (tau)")
+        if not _is_real(number) or (colon and not rule):
+            raise ConfigError(f"mode {spec!r}: write DARE as dual+kv@0.75 (rho), dual+o@t0.05 (tau) "
+                              f"or dual+o:drift@0.5 (a selection rule)")
         tree["reuse"] = {"method": mech, "tau" if value.startswith("t") else "rho": number}
+        if colon:
+            tree["reuse"]["rule"] = rule
     return tree
 
 
@@ -655,7 +669,8 @@ def mode_of(config: DecodeConfig) -> str:
         d = c.d2cache
         out += f":k={d.current_k},p={d.rollout_p:g},sigma={d.density_sigma:g}"
     if r.method != "none":
-        out += f"+{r.method}@" + (f"{r.rho:g}" if r.rho is not None else f"t{r.tau:g}")
+        rule = f":{r.rule}" if r.rule != REUSE_RULES[r.method][0] else ""
+        out += f"+{r.method}{rule}@" + (f"{r.rho:g}" if r.rho is not None else f"t{r.tau:g}")
     return out
 
 

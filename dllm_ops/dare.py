@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .config import ReuseConfig
+from .config import REUSE_RULES as RULES, ReuseConfig
 from .stats import DareStats
 from .models.transformer import (apply_rotary, attend_and_project, full_attention, row_mask,
                                  rows_of)
@@ -106,16 +106,25 @@ class DareReuse:
     mode = ""   # "kv" | "o": the subclass
 
     def __init__(self, config, rho: float | None = None,
-                 tau: float | None = None, phi_max: float | None = None):
+                 tau: float | None = None, phi_max: float | None = None, rule: str | None = None):
+        rule = RULES[self.mode][0] if rule is None else rule
+        if rule not in RULES[self.mode]:
+            raise ValueError(f"DARE-{self.mode.upper()}: rule {rule!r} is not one of {list(RULES[self.mode])}")
         self.config = config
         n_layers = self.n_layers = config.n_layers
         self.rho, self.tau = rho, tau
+        self.rule = rule
         self.phi_max = phi_max if phi_max is not None or rho is None else (1 + rho) / 2
         self.refresh = True
         self.calls = 0
         self._prev_q: list[torch.Tensor | None] = [None] * n_layers
         self._seen: list[torch.Tensor | None] = [None] * n_layers
         self._out: list[torch.Tensor | None] = [None] * n_layers
+        # rule "context": per layer, each token's head-averaged attention row
+        # [B, T, T] at its last recompute, and the attention-weighted key drift
+        # [B, T] accumulated since then
+        self._rows: list[torch.Tensor | None] = [None] * n_layers
+        self._acc: list[torch.Tensor | None] = [None] * n_layers
         self._redundancy: torch.Tensor | None = None       # [L, B] float64, NaN = not measured
         self._measured: torch.Tensor | None = None
         self._phi: torch.Tensor | None = None              # [B, L] this call's fractions
@@ -177,6 +186,8 @@ class DareReuse:
         prev = ops.gather_rows(self._prev_q[layer], idx)
         drift = ops.cosine_drift(q0.contiguous(), prev)
         drift = torch.where(drift < DRIFT_FLOOR, torch.zeros_like(drift), drift)
+        if self.rule == "context":
+            drift = drift + self._context(layer, drift, has_prev, idx, T)
         # This call's redundancy per row: the next call's allocation.
         n_prev = has_prev.sum(1)
         red = torch.where(has_prev, 1 - drift.double(), torch.zeros_like(drift, dtype=torch.float64)).sum(1)
@@ -204,6 +215,37 @@ class DareReuse:
         if not bool(reuse.any()):
             return None
         return mask_to_idx(running & ~reuse)
+
+    def _context(self, layer: int, drift: torch.Tensor, has_prev: torch.Tensor, idx: torch.Tensor,
+                 T: int) -> torch.Tensor:
+        """Rule "context": each running token's accumulated context drift
+        ``c = sum over calls since its last recompute of sum_j p_j * delta_j``
+        (``p``: its head-averaged attention row at that recompute; ``delta_j``:
+        the query drift of key token j in this call, the change of the layer
+        input its K/V are projected from; 1 for a token running for the first
+        time, 0 for one not running, whose K/V did not change). Returns ``[B, Q]``."""
+        B, Q = idx.shape
+        if self._rows[layer] is None:
+            self._rows[layer] = torch.zeros((B, T, T), dtype=torch.float32, device=idx.device)
+            self._acc[layer] = torch.zeros((B, T, 1), dtype=torch.float32, device=idx.device)
+        running = idx >= 0
+        delta = torch.where(has_prev, drift, torch.ones_like(drift)) * running
+        canvas = torch.zeros((B, T + 1), dtype=torch.float32, device=idx.device)
+        canvas.scatter_(1, torch.where(running, idx, T), delta.float())
+        rows = ops.gather_rows(self._rows[layer], idx)                       # [B, Q, T]
+        acc = ops.gather_rows(self._acc[layer], idx) + torch.bmm(rows, canvas[:, :T, None])
+        ops.scatter_rows(self._acc[layer], acc.contiguous(), idx)
+        return acc[..., 0].to(drift.dtype)
+
+    def recomputed(self, layer: int, probs: torch.Tensor, pos: torch.Tensor) -> None:
+        """Rule "context": the tokens at canvas positions ``pos [B, R]`` (−1 pads)
+        recomputed in `layer` with head-averaged attention rows ``probs [B, R, T]``:
+        record the rows, zero their accumulated context drift."""
+        if self.rule != "context":
+            return
+        ops.scatter_rows(self._rows[layer], probs.float().contiguous(), pos)
+        ops.scatter_rows(self._acc[layer], torch.zeros((*pos.shape, 1), dtype=torch.float32,
+                                                      device=pos.device), pos)
 
     def _choose(self, layer: int, drift: torch.Tensor, region: torch.Tensor) -> torch.Tensor:
         Q = drift.shape[1]
@@ -246,7 +288,7 @@ class DareReuse:
         """
         ran, reused, ran_all = sum(self.ran), sum(self.reused), sum(self.ran_all)
         return DareStats(
-            mode=self.mode, rho=self.rho, tau=self.tau, phi_max=self.phi_max,
+            mode=self.mode, rho=self.rho, tau=self.tau, phi_max=self.phi_max, rule=self.rule,
             reuse_share=reused / ran if ran else 0.0,
             reuse_share_all_calls=reused / ran_all if ran_all else 0.0,
             reuse_share_per_layer=[r / n if n else 0.0 for r, n in zip(self.reused, self.ran)],
@@ -305,10 +347,28 @@ class DareO(DareReuse):
         q0 = F.linear(a, layer.q.weight[:d], None if layer.q.bias is None else layer.q.bias[:d])
         rows = self.select(li, q0, call.idx, T)
         if rows is None:
-            branch = full_attention(model, li, layer, a, call)
+            branch = self._attend_all(model, li, layer, a, call)
             ops.scatter_rows(self.output_cache(li, branch, T), branch.contiguous(), call.idx)
             return branch
         return self._attend_selected(model, li, layer, a, rows, call)
+
+    def _attend_all(self, model, li, layer, a, call) -> torch.Tensor:
+        """Every running row recomputes (full_attention); rule "context" also
+        keeps their attention rows."""
+        if self.rule != "context":
+            return full_attention(model, li, layer, a, call)
+        c = model.config
+        B, Q = call.idx.shape
+        q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
+        k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
+        v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
+        call.cache.write(li, q, k, v, call.pos, call.table, call.idx)
+        out, probs = call.cache.attend(li, q, call.scale, True)
+        if call.return_probs:
+            call.cache.probs.append(probs)
+            call.cache.probs_idx.append(call.idx)
+        self.recomputed(li, probs, call.idx)
+        return layer.o(out.reshape(B, Q, -1))
 
     def _attend_selected(self, model, li, layer, a, rows, call) -> torch.Tensor:
         c = model.config
@@ -333,9 +393,11 @@ class DareO(DareReuse):
             cache.probs_idx.append(torch.where(row_mask(rows, Q), idx, torch.full_like(idx, -1)))
         if R:
             q_r = ops.gather_rows(q_all.view(B, Q, width), rows).view(B, R, c.n_heads, c.head_dim)
-            out_r, probs_r = cache.attend(li, q_r, call.scale, call.return_probs)
+            want_probs = call.return_probs or self.rule == "context"
+            out_r, probs_r = cache.attend(li, q_r, call.scale, want_probs)
             if call.return_probs:
                 ops.scatter_rows(cache.probs[-1], probs_r.float().contiguous(), rows)
+            self.recomputed(li, probs_r, rows_of(idx, rows))
             ops.scatter_rows(branch, layer.o(out_r.reshape(B, R, width)).contiguous(), rows_of(idx, rows))
         return ops.gather_rows(branch, idx)
 
@@ -348,4 +410,5 @@ def make_dare(reuse: ReuseConfig, config) -> DareReuse | None:
     ``config`` (None: method "none", every running row recomputes)."""
     if reuse.method == "none":
         return None
-    return DARE_RULES[reuse.method](config, rho=reuse.rho, tau=reuse.tau, phi_max=reuse.phi_max)
+    return DARE_RULES[reuse.method](config, rho=reuse.rho, tau=reuse.tau, phi_max=reuse.phi_max,
+                                    rule=reuse.rule)

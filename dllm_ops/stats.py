@@ -58,6 +58,7 @@ class DareStats(_Flat):
     rho: float | None = field(metadata=_key("rho", "dare_"))
     tau: float | None = field(metadata=_key("tau", "dare_"))
     phi_max: float | None = field(metadata=_key("phi_max", "dare_"))
+    rule: str = field(metadata=_key("rule", "dare_"))
     reuse_share: float = field(metadata=_key("reuse_share", "dare_"))
     reuse_share_all_calls: float = field(metadata=_key("reuse_share_all_calls", "dare_"))
     reuse_share_per_layer: list = field(metadata=_key("reuse_share_per_layer", "dare_"))

@@ -16,6 +16,14 @@ call's redundancy max(0, mean(1 - s)) with a cap phi_max (water filling),
 reusing floor(phi * n) lowest-drift tokens (ties: lower position); tau mode
 reuses drift < tau; block starts reuse nothing. DARE-O keeps the attention
 branch after the output projection.
+
+DARE-O's rule "context" (its default) ranks by drift + c instead, c being a
+token's context drift in that layer: at every call, each running key token j
+contributes delta_j * p_j to every token, where p is the token's head-averaged
+attention row at its last recompute in that layer and delta_j is j's drift in
+this call (1 if j never ran in the layer before, 0 if j does not run); c sums
+these since the token's last recompute (a recompute sets c to 0 and p to the
+new row). Redundancy is then max(0, mean(1 - (drift + c))).
 """
 from __future__ import annotations
 
@@ -93,11 +101,13 @@ def split_reuse(rho: float, red: list[float], phi_max: float) -> list[float]:
 class RefDare:
     """Dense float64 forward with DARE's per-layer reuse; one instance per decode."""
 
-    def __init__(self, ckpt, mode: str, rho=None, tau=None, phi_max=None):
+    def __init__(self, ckpt, mode: str, rho=None, tau=None, phi_max=None, rule=None):
         self.cfg, self.sd = load_original(ckpt) if isinstance(ckpt, str) else ckpt
         self.llada, self.nh, self.nkv, self.top, self.layers = _weights(self.cfg, self.sd)
         self.eps, self.theta = self.cfg["rms_norm_eps"], self.cfg["rope_theta"]
         self.mode, self.rho, self.tau = mode, rho, tau
+        self.rule = rule or ("context" if mode == "o" else "drift")
+        assert self.rule == "drift" or (mode == "o" and self.rule == "context")
         self.phi_max = phi_max if phi_max is not None else (None if rho is None else (1 + rho) / 2)
         self.call = 0
         self.prev_q = self.seen = self.kv = self.out = None
@@ -116,6 +126,8 @@ class RefDare:
             self.seen = [torch.zeros(B, T, dtype=torch.bool) for _ in range(L)]
             self.kv = [None] * L
             self.out = [None] * L
+            self.att = [torch.zeros(B, T, T, dtype=torch.float64) for _ in range(L)]   # rule "context"
+            self.ctx = [torch.zeros(B, T, dtype=torch.float64) for _ in range(L)]
         phi = None
         if self.rho is not None and not refresh and self.red is not None:
             phi = [split_reuse(self.rho, [max(0.0, r) for _, r in row], self.phi_max)
@@ -137,6 +149,15 @@ class RefDare:
             drift = 1 - cos
             drift = torch.where(drift < FLOOR, torch.zeros_like(drift), drift)
             has_prev = self.seen[li] & run
+            if self.rule == "context":
+                for b in range(B):
+                    change = [(float(drift[b, j]) if bool(has_prev[b, j]) else 1.0) if bool(run[b, j]) else 0.0
+                              for j in range(T)]
+                    for t in range(T):
+                        if bool(run[b, t]):
+                            self.ctx[li][b, t] += sum(float(self.att[li][b, t, j]) * change[j]
+                                                      for j in range(T) if change[j])
+                drift = torch.where(run, drift + self.ctx[li], drift)
             reuse = torch.zeros(B, T, dtype=torch.bool)
             for b in range(B):
                 region = [t for t in range(T) if bool(has_prev[b, t])]
@@ -170,7 +191,11 @@ class RefDare:
             kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
             s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / d ** 0.5
             s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-            att = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv).reshape(B, T, self.nh * d)
+            prob = s.softmax(-1)
+            att = torch.einsum("bhqk,bkhd->bqhd", prob, vv).reshape(B, T, self.nh * d)
+            if self.rule == "context":
+                self.att[li] = torch.where(recompute[..., None], prob.mean(1), self.att[li])
+                self.ctx[li] = torch.where(recompute, torch.zeros_like(self.ctx[li]), self.ctx[li])
             branch = att @ w["o"].T
             if self.mode == "o":
                 if self.out[li] is None:
@@ -190,11 +215,12 @@ def _dream_ts(steps):
 
 def ref_dare_generate(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, block_length: int,
                       steps: int, cache: str, dare: str, rho=None, tau=None, phi_max=None,
-                      unmask: str = "topk", threshold: float = 0.9, alg: str | None = None):
+                      unmask: str = "topk", threshold: float = 0.9, alg: str | None = None,
+                      rule: str | None = None):
     """One prompt, greedy. LLaDA: unmask "topk" | "threshold". Dream: alg
     "maskgit_plus" (any cache) | "confidence_threshold" (prefix / dual).
     Returns (generated ids, the DARE forward with its decision log)."""
-    ref = RefDare(ckpt, dare, rho=rho, tau=tau, phi_max=phi_max)
+    ref = RefDare(ckpt, dare, rho=rho, tau=tau, phi_max=phi_max, rule=rule)
     dream = not ref.llada
     L = len(prompt)
     T = L + gen_length

@@ -24,6 +24,7 @@ EXAMPLES = [
     CacheConfig(method="d2cache", d2cache=D2CacheConfig(current_k=9)),
     ReuseConfig(method="o", tau=0.05),
     ReuseConfig(method="kv", rho=0.5, phi_max=0.8),
+    ReuseConfig(method="o", rho=0.5, rule="drift"),
     StorageConfig(method="kvq", bits=2, group=16, table={"layers": [{"score": "attn", "p": 0.02}]}),
     StorageConfig(method="kivi", bits=4),
     DecodeConfig(shape=ShapeConfig(gen_length=64, block_length=16), cache=CacheConfig(method="dual"),
@@ -68,6 +69,7 @@ INVALID = [
     (D2CacheConfig, "density_sigma", 0.0),
     (CacheConfig, "method", "paged"),
     (ReuseConfig, "method", "q"),
+    (ReuseConfig, "rule", "query"),
     (StorageConfig, "method", "int8"), (StorageConfig, "group", 24),
 ]
 
@@ -92,10 +94,32 @@ def test_invalid_value_names_field_and_value(cls, name, value):
     (dict(method="kv", rho=0.5, phi_max=0.4), "reuse.phi_max = 0.4"),
     (dict(method="o", tau=0.1, phi_max=0.5), "reuse.phi_max = 0.5"),
     (dict(method="none", rho=0.5), "reuse.rho = 0.5"),
+    (dict(method="kv", rho=0.5, rule="context"), "reuse.rule = 'context'"),
+    (dict(method="none", rule="drift"), "reuse.rule = 'drift'"),
 ])
 def test_reuse_modes(kw, where):
     with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
         ReuseConfig(**kw)
+
+
+def test_reuse_rule_default_and_spellings():
+    """reuse.rule: null is stored as the method's default (DARE-O: context,
+    DARE-KV: drift); the mode string, generate's dare_opts and a settings path
+    name the same object; a new method drops the old rule."""
+    assert ReuseConfig(method="o", tau=0.1).rule == "context"
+    assert ReuseConfig(method="kv", tau=0.1).rule == "drift"
+    assert ReuseConfig().rule is None
+    drift = ReuseConfig(method="o", rho=0.5, rule="drift")
+    assert config_from_mode("dual+o:drift@0.5").reuse == drift
+    assert mode_of(config_from_mode("dual+o:drift@0.5")) == "dual+o:drift@0.5"
+    assert mode_of(config_from_mode("dual+o:context@0.5")) == "dual+o@0.5"
+    assert config_from_generate_kwargs(dare="o", dare_opts=dict(rho=0.5, rule="drift")).reuse == drift
+    assert config_from_settings(["reuse.method=o", "reuse.rho=0.5", "reuse.rule=drift"]).reuse == drift
+    kv = DecodeConfig(reuse=ReuseConfig(method="kv", rho=0.5))   # stores rule "drift"
+    assert merge(kv, {"reuse": {"method": "o", "rho": 0.5}}).reuse.rule == "context"
+    assert merge(DecodeConfig(reuse=drift), {"reuse": {"rho": 0.7}}).reuse.rule == "drift"
+    with pytest.raises(ConfigError, match="dual\\+o:drift@0.5"):
+        config_from_mode("dual+o:@0.5")
 
 
 @pytest.mark.parametrize("kw,where", [

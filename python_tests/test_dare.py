@@ -53,8 +53,10 @@ def _kw(arch):
 
 
 def _run(model, prompts, cache, dare, opts, **kw):
-    """generate with a DareReuse whose decision log we keep."""
-    rule = make_dare(ReuseConfig(method=dare, **opts), model.config)
+    """generate with a DareReuse whose decision log we keep (``dare``: "kv",
+    "o" = DARE-O with its default rule "context", or "o:drift")."""
+    method, _, rule = dare.partition(":")
+    rule = make_dare(ReuseConfig(method=method, rule=rule or None, **opts), model.config)
     rule.log = []
     out = dllm_ops.generate(model, prompts, cache=cache, dare=rule, **kw)
     return out, rule
@@ -67,15 +69,17 @@ def _positions(log):
 
 @pytest.mark.parametrize("arch", ["llada", "dream"])
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("dare", ["kv", "o"])
+@pytest.mark.parametrize("dare", ["kv", "o", "o:drift"])
 @pytest.mark.parametrize("opts", [dict(rho=0.5), dict(tau=0.02)], ids=["rho", "tau"])
 def test_generate_equals_reference(ckpts, arch, cache, dare, opts):
     model, original = ckpts[arch]
     kw = _kw(arch)
     out, rule = _run(model, PROMPT, cache, dare, opts, **kw)
     kw.pop("stop_at_eos")
+    method, _, name = dare.partition(":")
     want, ref = ref_dare_generate(original, PROMPT, mask_id=model.config.mask_id, cache=cache,
-                                  dare=dare, **opts, **kw)
+                                  dare=method, rule=name or None, **opts, **kw)
+    assert rule.rule == (name or ("context" if method == "o" else "drift"))
     assert _positions(rule.log) == ref.log
     assert out.tokens[0].tolist() == want
     s = out.stats
@@ -131,7 +135,8 @@ def test_block_start_never_reuses(ckpts, dare, cache):
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 @pytest.mark.parametrize("dare,opts", [("kv", dict(rho=0.6)), ("o", dict(tau=0.05)),
-                                       ("o", dict(rho=0.75, phi_max=0.8))])
+                                       ("o", dict(rho=0.75, phi_max=0.8)), ("o:drift", dict(rho=0.5)),
+                                       ("o:drift", dict(tau=0.05))])
 def test_batch_equals_single(ckpts, cache, dare, opts):
     for arch in ("llada", "dream"):
         model, _ = ckpts[arch]

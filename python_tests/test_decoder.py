@@ -40,7 +40,7 @@ def llada(tmp_path_factory):
 BASE_KEYS = {"nfe", "wall_s", "generated_tokens", "tokens_per_s", "tokens_recomputed",
              "recomputed_per_step", "n_layers", "model_flops", "eos_filled", "cache", "reveal",
              "blocks_decoded", "blocks"}
-DARE_KEYS = {"dare", "dare_rho", "dare_tau", "dare_phi_max", "dare_reuse_share",
+DARE_KEYS = {"dare", "dare_rho", "dare_tau", "dare_phi_max", "dare_rule", "dare_reuse_share",
              "dare_reuse_share_all_calls", "dare_reuse_share_per_layer", "dare_activations_run",
              "dare_activations_reused", "dare_reused_with_zero_drift_per_layer", "dare_flops_saved"}
 KVQ_KEYS = {"kv_quant", "kv_quant_policy", "kv_cache_bytes", "kv_cache_bytes_bf16", "kv_work_bytes",
