@@ -12,7 +12,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_home.py)
 export CUDA_HOME
 
-.PHONY: venv build eval test test-slow pytest ctest sanitize mutate mutate-fast demo tiny-models gpu-check clean
+.PHONY: venv build eval test test-slow test-ray pytest ctest sanitize mutate mutate-fast demo tiny-models gpu-check clean
 
 # ---- set-up ------------------------------------------------------------------
 $(VENV)/.deps-stamp: requirements.txt
@@ -54,6 +54,13 @@ pytest: build
 
 test-slow: build
 	$(VPY) -m pytest python_tests -ra -m slow
+
+# Server replicas under Ray Serve (python -m dllm_ops serve --ray): installs the
+# optional [ray] extra (requirements-ray.txt) into .venv, then runs its test
+# (python_tests/test_serve_ray.py: 2 replicas, a killed replica; ~4 min here).
+test-ray: build
+	$(VPY) -m pip install -q -r requirements-ray.txt
+	$(VPY) -m pytest python_tests -ra -m ray
 
 # CMake build of the same csrc/ + C++ tests (shared math, simulated kernels).
 CMAKE_DIR := build/cmake

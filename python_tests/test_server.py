@@ -669,3 +669,30 @@ def test_a_request_past_its_timeout_gets_504(model):
         assert ok.status_code == 200
     finally:
         engine.shutdown(WAIT)
+
+
+# ---- serve --ray: the checks before Ray starts (the replicas: test_serve_ray.py) ----------
+
+@pytest.mark.parametrize("flags,text", [
+    (["--replicas", "0"], "--replicas must be at least 1"),
+    (["--gpus-per-replica", "-1"], "must not be negative"),
+    (["--gpus-per-replica", "1", "--device", "cpu"], "GPUs they never use"),
+])
+def test_bad_replica_flags_are_refused_before_ray_starts(flags, text, capsys, monkeypatch):
+    import sys
+
+    from dllm_ops.cli import main
+    monkeypatch.setitem(sys.modules, "ray", None)    # Ray must not even be imported
+    assert main(["serve", "--model", MODEL, "--ray", *flags]) == 1
+    err = capsys.readouterr().err
+    assert text in err and len(err.strip().splitlines()) == 1
+
+
+def test_ray_missing_says_how_to_install_it(capsys, monkeypatch):
+    import sys
+
+    from dllm_ops.cli import main
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main(["serve", "--model", MODEL, "--ray", "--replicas", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install '.[ray]'" in err and len(err.strip().splitlines()) == 1
