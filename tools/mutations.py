@@ -545,4 +545,11 @@ MUTATIONS = [
              "            pass\n",
              (T_TRACE + "test_score_matrix_matches_float64_forward[llada-cpu]",),
              "TRACE: S[i, t] is read with position i masked"),
+    # ==== the command line (dllm_ops/cli.py) =======================================
+    Mutation("cli-stats-on-stdout",
+             "dllm_ops/cli.py",
+             "        print(stats_line(s), file=sys.stderr)\n        return 0\n",
+             "        print(stats_line(s))\n        return 0\n",
+             ("python_tests/test_cli_conventions.py::test_text_on_stdout_stats_on_stderr",),
+             "CLI: the text alone on stdout, the stats line on stderr", fast=True),
 ]
