@@ -35,9 +35,16 @@ build: venv
 	printf '#!/bin/sh\n# dllm-ops = python -m dllm_ops (written by `make build`; pip installs the console script)\nexec "%s" -m dllm_ops "$$@"\n' "$(abspath $(VPY))" > "$(VENV)/bin/dllm-ops"
 	chmod +x "$(VENV)/bin/dllm-ops"
 
-# lm-eval (optional): `lm_eval --model dllm_ops ...` (dllm_ops/lm_eval_model.py).
+# lm-eval (pinned in requirements.txt, so `build` installs it; the model is
+# dllm_ops/lm_eval_model.py): the suite as local lm-eval tasks, then the plain
+# `lm_eval` command on the multiple-choice group with tiny-llada (README "lm-eval").
+EVAL_TASKS ?= build/lm_eval_tasks
+EVAL_N     ?= 200
+EVAL_ARGS  ?= pretrained=tiny-llada,dtype=float32,mc_num=16,mc_batch_size=64,greedy_check=false
 eval: build
-	$(VPY) -m pip install -q "lm_eval>=0.4,<0.5"
+	$(VPY) scripts/make_lm_eval_task.py --out $(EVAL_TASKS) --n $(EVAL_N)
+	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(VENV)/bin/lm_eval --model dllm_ops --model_args $(EVAL_ARGS) \
+	  --tasks dllm_tasks_mc --include_path $(EVAL_TASKS) --output_path build/lm_eval_results
 
 # ---- tests -------------------------------------------------------------------
 # `make test` (= .ci/run) leaves out the tests marked slow (the full re-training
