@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # import nothing of dllm_ops but errors: the packed-cache layout, RoPE tables,
     # timers, stats records, the toy tokenizer, text options (KEY=VALUE, JSON values)
     ("leaves", ["dllm_ops.packed_layout", "dllm_ops.rope", "dllm_ops.layer_timer",
-                "dllm_ops.stats", "dllm_ops.tokenizer", "dllm_ops.options"]),
+                "dllm_ops.stats", "dllm_ops.tokenizer", "dllm_ops.options", "dllm_ops._version"]),
     # the typed decode configuration (data: validated, JSON-able; parses text via options)
     ("config", ["dllm_ops.config"]),
     # the ops, their fake kernels, the float64 oracles, the step plan / KV cache
