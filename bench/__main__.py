@@ -5,6 +5,7 @@
   python -m bench ab --base DIR --op NAME [--shape TEXT] [--rounds 6]   (two builds, bench/ab.py)
   python -m bench serve --spawn tiny-llada | --url http://127.0.0.1:PORT   (the HTTP server, bench/serve.py)
   python -m bench serve-memory --spawn tiny-llada   (sequences one --kv-budget admits per KV storage)
+  python -m bench plot FILE.csv [...]   (PNGs of bench decode's CSVs next to them; bench/plot.py)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
     add_serve(sub)
     from bench.serve_memory import add_parser as add_serve_memory
     add_serve_memory(sub)
+    from bench.plot import add_parser as add_plot
+    add_plot(sub)
     args = p.parse_args(argv)
     from dllm_ops.errors import ConfigError, DllmOpsError, OptionError, TaskError
     try:
