@@ -51,6 +51,7 @@ past the drift score) is silent:
 """
 from __future__ import annotations
 
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,21 @@ from .models.transformer import (apply_rotary, attend_and_project, full_attentio
 from .plan import mask_to_idx
 
 DRIFT_FLOOR = 1e-5
+
+_warned_drift_on_llada = False
+
+
+def _warn_drift_on_llada() -> None:
+    """Once per process: DARE-O's query-drift rule freezes LLaDA's masked tokens."""
+    global _warned_drift_on_llada
+    if _warned_drift_on_llada:
+        return
+    _warned_drift_on_llada = True
+    warnings.warn(
+        "dllm_ops: DARE-O with reuse.rule='drift' on a LLaDA model is known to lose accuracy: a "
+        "masked token's query does not drift, so its cached attention output freezes it until the "
+        "next block start (tiny-llada, dual, threshold 0.9: 46.5% against 98.4% for dual, README "
+        "'DARE'); the default rule 'context' does not have this failure", UserWarning, stacklevel=3)
 
 
 def allocate_reuse(rho: float, redundancy: list[float], phi_max: float) -> list[float]:
@@ -114,6 +130,8 @@ class DareReuse:
         n_layers = self.n_layers = config.n_layers
         self.rho, self.tau = rho, tau
         self.rule = rule
+        if self.mode == "o" and rule == "drift" and getattr(config, "arch", None) == "llada":
+            _warn_drift_on_llada()
         self.phi_max = phi_max if phi_max is not None or rho is None else (1 + rho) / 2
         self.refresh = True
         self.calls = 0

@@ -345,3 +345,74 @@ def test_composes_with_d2cache(ckpts, arch, dare):
     some = dllm_ops.generate(model, PROMPTS, dare=dare, dare_opts=dict(rho=0.5), **kw)
     assert 0.3 < some.stats["dare_reuse_share"] <= 0.5
     assert model.config.mask_id not in some.tokens.flatten().tolist()
+
+
+def test_context_rule_sees_a_committed_neighbour(ckpts):
+    """The freeze of issue 39 and its fix, in layer 0 of one LLaDA dual call
+    after a commit: a masked token's layer-0 input is the mask embedding at
+    every call, so its query drift is 0 and the drift rule reuses every
+    masked token; the context rule recomputes exactly the masked tokens whose
+    attention row at the block start, times the committed token's query
+    drift, reaches τ (their own drift being 0)."""
+    model, _ = ckpts["llada"]
+    c = model.config
+    T, start, committed = 24, 12, 12
+    x = torch.randint(5, 60, (1, T), generator=torch.Generator().manual_seed(2)).to(model.device)
+    x[:, start:] = c.mask_id
+    valid = torch.ones(1, T, dtype=torch.bool, device=model.device)
+    block = torch.zeros_like(valid)
+    block[:, start:] = True
+    layer0 = model.layers[0]
+    d = c.head_dim
+
+    @torch.no_grad()
+    def q0(canvas):
+        return layer0.attn_norm(model.embed(canvas))[0, committed] @ layer0.q.weight[:d].T
+
+    # the committed token's drift and the masked tokens' layer-0 attention rows at the block start
+    before = q0(x)
+    x2 = x.clone()
+    x2[:, committed] = 7
+    delta = float(1 - torch.nn.functional.cosine_similarity(q0(x2), before, dim=0))
+    cache = model.new_cache(valid)
+    model.step(x, StepPlan.from_mask(valid, valid), cache, return_probs=True)
+    masked = list(range(committed + 1, T))
+    weight = {t: float(cache.probs[0][0, t, committed]) * delta for t in masked}
+    ranked = sorted(weight.values())
+    tau = (ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
+    want = sorted(t for t in masked if weight[t] >= tau)
+    assert 0 < len(want) < len(masked)
+
+    decisions = {}
+    for name in ("drift", "context"):
+        rule = make_dare(ReuseConfig(method="o", tau=tau, rule=name), c)
+        rule.log = []
+        cache = model.new_cache(valid)
+        rule.begin_call(True)
+        model.step(x, StepPlan.from_mask(valid, valid), cache, reuse=rule)
+        rule.begin_call(False)
+        model.step(x2, StepPlan.from_mask(block, block), cache, reuse=rule)
+        reused = rule.log[c.n_layers][2][0]                   # call 2, layer 0
+        decisions[name] = sorted(t for t in masked if not reused[t])
+        assert not reused[committed]                          # its own input changed
+    assert decisions["drift"] == []                           # every masked token frozen
+    assert decisions["context"] == want
+
+
+def test_drift_rule_on_llada_warns_once(ckpts, monkeypatch):
+    import warnings
+
+    from dllm_ops import dare as dare_module
+    monkeypatch.setattr(dare_module, "_warned_drift_on_llada", False)
+    llada, dream = ckpts["llada"][0].config, ckpts["dream"][0].config
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make_dare(ReuseConfig(method="o", rho=0.5), llada)                   # context: silent
+        make_dare(ReuseConfig(method="o", rho=0.5, rule="drift"), dream)     # Dream: silent
+        make_dare(ReuseConfig(method="kv", rho=0.5), llada)                  # DARE-KV: silent
+        assert not seen
+        dllm_ops.generate(ckpts["llada"][0], PROMPT, cache="dual", dare="o",
+                          dare_opts=dict(rho=0.5, rule="drift"), **_kw("llada"))
+        make_dare(ReuseConfig(method="o", tau=0.1, rule="drift"), llada)
+    assert len(seen) == 1 and issubclass(seen[0].category, UserWarning)
+    assert "known to lose accuracy" in str(seen[0].message) and "LLaDA" in str(seen[0].message)

@@ -69,10 +69,12 @@ class TopK(DareO):
 VARIANTS = {"context-call": ContextPerCall, "uniform": Uniform, "topk4": TopK}
 
 
-def make_rule(rule: str, rho: float, config):
+def make_rule(rule: str, rho, config):
+    """``rho``: a target reuse share, or "tN" for a drift threshold τ = N."""
+    sel = dict(tau=float(rho[1:])) if isinstance(rho, str) else dict(rho=rho)
     if rule in VARIANTS:
-        return VARIANTS[rule](config, rho=rho, rule="context")
-    return make_dare(ReuseConfig(method="o", rho=rho, rule=rule), config)
+        return VARIANTS[rule](config, rule="context", **sel)
+    return make_dare(ReuseConfig(method="o", rule=rule, **sel), config)
 
 
 def run(model_name, split, n, rules, rhos, batch_size=100, seed=0):
@@ -117,7 +119,8 @@ def main(argv=None):
     p.add_argument("--split", default="calib", choices=["calib", "test"])
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--rules", nargs="+", default=["drift", "context", "context-call", "uniform", "topk4"])
-    p.add_argument("--rhos", nargs="+", type=float, default=[0.25, 0.5, 0.75, 0.9])
+    p.add_argument("--rhos", nargs="+", type=lambda v: v if v.startswith("t") else float(v),
+                   default=[0.25, 0.5, 0.75, 0.9], help="target reuse shares, or tN for threshold τ = N")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--csv")
     args = p.parse_args(argv)
