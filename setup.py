@@ -111,7 +111,8 @@ setup(
     # `dllm-ops generate ...` = `python -m dllm_ops generate ...` (`make build` writes
     # the same command into the venv for the in-place build).
     entry_points={"console_scripts": ["dllm-ops = dllm_ops.cli:main"]},
-    extras_require={"eval": ["lm_eval>=0.4,<0.5"], "ray": ["ray[serve]==2.60.0"]},
+    extras_require={"eval": ["lm_eval>=0.4,<0.5"], "ray": ["ray[serve]==2.60.0"],
+                    "plot": ["matplotlib==3.11.2"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithLmEvalHook},
     python_requires=">=3.10",
