@@ -48,6 +48,34 @@ past the drift score) is silent:
   equals ``cached o(attention)``; caching after it also skips the output
   projection of reused rows, at the same memory (hidden size = heads × head dim
   in both models).
+
+DARE-O's selection rule (``reuse.rule``, issue 39). Query drift measures a
+token's *own* change, not its context's: a LLaDA masked token's layer-0 input
+is the mask embedding at every call, so its drift is 0, it is reused first,
+its cached output keeps its hidden state (hence every later layer's query)
+unchanged, and it stays frozen until the next block start without seeing the
+tokens committed meanwhile (tiny-llada, dual: 46.5% against 98.4%). The cached
+output is an attention over K/V that were rewritten since, so the default rule
+``context`` ranks by ``s + c``:
+
+- ``c`` (context drift) = the sum, over the calls since the token's last
+  recompute in that layer, of ``sum_j p_j * delta_j``: ``p`` is the token's
+  head-averaged attention row at that recompute (``sparse_attention``'s
+  ``probs_mean``, kept per layer as ``[B, T, T]`` float32), ``delta_j`` is key
+  token j's drift in this call (the change of the layer input its K/V are
+  projected from: its query drift, floored as above; 1 if j runs in the layer
+  for the first time, 0 if j does not run, so its K/V were not rewritten). A
+  recompute stores the new row and sets ``c`` to 0; a reused token keeps
+  summing. Drift of a token's attention neighbours therefore reaches it in
+  proportion to how much it attended to them.
+- ρ, τ, the redundancy (``1 - (s + c)``) and the statistics read ``s + c``
+  where the drift rule reads ``s``; DARE-KV has only the drift rule (a reused
+  K/V row is a function of the token's own input, which ``s`` measures).
+- Chosen on the suite's ``calib`` split (scripts/dare_rules.py; README, "DARE")
+  over the attention-free ``uniform`` weighting, the unweighted ``topk4``
+  neighbourhood and the per-call ``context-call`` sum.
+- ``rule="drift"`` keeps DARE's query-drift rule; on a LLaDA model it warns
+  once per process that it is known to lose accuracy there.
 """
 from __future__ import annotations
 
