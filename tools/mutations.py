@@ -579,4 +579,17 @@ MUTATIONS = [
              "        print(stats_line(s))\n        return 0\n",
              ("python_tests/test_cli_conventions.py::test_text_on_stdout_stats_on_stderr",),
              "CLI: the text alone on stdout, the stats line on stderr", fast=True),
+    # ==== bench: accuracy with its uncertainty (bench/stats.py) ====================
+    Mutation("bench-paired-test-one-sided",
+             "bench/stats.py",
+             'return float(binomtest(int(b), int(b + c), 0.5, alternative="two-sided").pvalue)',
+             'return float(binomtest(int(b), int(b + c), 0.5, alternative="greater").pvalue)',
+             ("python_tests/test_bench_stats.py::test_mcnemar_exact_by_hand",),
+             "paired comparison: exact McNemar on the discordant b, c, two-sided", fast=True),
+    Mutation("bench-interval-clopper-pearson",
+             "bench/stats.py",
+             'proportion_ci(confidence_level=level, method="wilson")',
+             'proportion_ci(confidence_level=level, method="exact")',
+             ("python_tests/test_bench_stats.py::test_wilson_interval_matches_the_formula",),
+             "accuracy intervals are 95% Wilson score intervals (no continuity correction)"),
 ]
