@@ -241,20 +241,89 @@ def run_accuracy(model_name_or_path, tasks="all", n: int = 500, caches=DEFAULT_C
             r["agree_tok"], r["agree_seq"] = _agreement(r.pop("_tokens"), van, eos)
             r.update(_paired_fields(outcome, [task], (cache, rule), ref_mode, paired))
             rows.append(r)
+    return rows + all_rows(rows)
+
+
+def all_rows(rows: list[dict]) -> list[dict]:
+    """The "all" row of each mode (in order of first appearance) from its per-task
+    rows: the problems pooled (accuracy and its Wilson interval over all of
+    them; changed, lost and gained summed, the exact McNemar p of the sums,
+    which is the paired test over the pooled problems), the mean over tasks of
+    nfe, run/call and agreement, tokens/s over the summed seconds."""
+    from bench.stats import mcnemar_exact, wilson
+
+    out = []
+    modes = list(dict.fromkeys((r["cache"], r["rule"]) for r in rows if r["task"] != "all"))
     for cache, rule in modes:
-        mine = [r for r in rows if r["cache"] == cache and r["rule"] == _label(cache, rule)]
+        mine = [r for r in rows if r["task"] != "all" and (r["cache"], r["rule"]) == (cache, rule)]
         mean = {k: sum(r[k] for r in mine) / len(mine)
                 for k in ("nfe", "nfe_batch", "agree_tok", "agree_seq", "run_per_call")}
-        pooled = [x for task in names for x in outcome[(task, cache, rule)][0]]
+        n = sum(r["n"] for r in mine)
+        k = sum(r["correct"] for r in mine)
+        lo, hi = wilson(k, n)
         secs = sum(r["seconds"] for r in mine)
         toks = sum(r["tokens_per_s"] * r["seconds"] for r in mine)
         reused, eligible = sum(r["reused"] for r in mine), sum(r["reuse_eligible"] for r in mine)
-        rows.append(dict(mine[0], task="all", gen_length=None, n=n * len(mine), seconds=secs,
-                         tokens_per_s=toks / secs, reused=reused, reuse_eligible=eligible,
-                         reuse=reused / eligible if mine[0]["reuse"] is not None and eligible else None,
-                         **mean, **accuracy_fields(pooled),
-                         **_paired_fields(outcome, names, (cache, rule), ref_mode, paired)))
+        pair = dict(vs=None, changed=None, lost=None, gained=None, p_paired=None)
+        if mine[0]["vs"] is not None:
+            lost, gained = sum(r["lost"] for r in mine), sum(r["gained"] for r in mine)
+            pair = dict(vs=mine[0]["vs"], changed=sum(r["changed"] for r in mine), lost=lost, gained=gained,
+                        p_paired=mcnemar_exact(lost, gained))
+        out.append(dict(mine[0], task="all", gen_length=None, n=n, seconds=secs,
+                        tokens_per_s=toks / secs, reused=reused, reuse_eligible=eligible,
+                        reuse=reused / eligible if mine[0]["reuse"] is not None and eligible else None,
+                        **mean, correct=k, accuracy=k / n, acc_lo=lo, acc_hi=hi, **pair))
+    return out
+
+
+_INT = {"n", "correct", "changed", "lost", "gained", "reused", "reuse_eligible", "batch_size",
+        "block_length", "gen_length"}
+_STR = {"model", "task", "cache", "rule", "split", "vs"}
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows of a CSV this bench wrote, with their types back (empty cells: None)."""
+    rows = []
+    with open(path, newline="") as f:
+        for raw in csv.DictReader(f):
+            r = {}
+            for key, v in raw.items():
+                if v in ("", None):
+                    r[key] = None
+                elif key in _STR:
+                    r[key] = v
+                elif key in _INT:
+                    r[key] = int(float(v))
+                else:
+                    r[key] = float(v)
+            rows.append(r)
     return rows
+
+
+def merge_csvs(paths: list[str]) -> list[dict]:
+    """Per-task rows of several runs of one model and reference (e.g. one task
+    per process), with the "all" rows recomputed over them (`all_rows`): the
+    rows one run over all those tasks would print, tok/s aside."""
+    rows = [r for p in paths for r in read_csv(p) if r["task"] != "all"]
+    if not rows:
+        raise ValueError("merge: no per-task rows")
+    for key in ("model", "vs", "split", "block_length", "batch_size"):
+        vals = {r[key] for r in rows if key != "vs" or r[key] is not None}
+        if len(vals) > 1:
+            raise ValueError(f"merge: the CSVs differ in {key}: {sorted(map(str, vals))}")
+    seen = {}
+    for r in rows:
+        k = (r["task"], r["cache"], r["rule"])
+        if k in seen:
+            raise ValueError(f"merge: {k} occurs twice")
+        seen[k] = r
+    modes = list(dict.fromkeys((r["cache"], r["rule"]) for r in rows))
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    missing = [(t, m) for t in tasks for m in modes if (t, *m) not in seen]
+    if missing:
+        raise ValueError(f"merge: every CSV must run the same modes; missing {missing[:3]}")
+    ordered = [seen[(t, *m)] for t in tasks for m in modes]
+    return ordered + all_rows(ordered)
 
 
 def _key(mode):
@@ -356,10 +425,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", default="none",
                    help="the mode the paired columns (changed, lost/gained, p) compare with (default: vanilla)")
     p.add_argument("--csv", help="also write the rows to this CSV file")
+    p.add_argument("--merge", nargs="+", metavar="CSV",
+                   help="decode nothing: the per-task rows of these CSVs (runs of one model, e.g. one task "
+                        "per process) with the all-task rows recomputed over them")
     p.add_argument("--no-progress", action="store_true")
 
 
 def run_from_args(args) -> list[dict]:
+    if args.merge:
+        rows = merge_csvs(args.merge)
+        print(f"model={rows[0]['model']} split={rows[0]['split']} block={rows[0]['block_length']} "
+              f"batch={rows[0]['batch_size']} (merged from {len(args.merge)} CSVs)")
+        print(format_table(rows))
+        write_csv(args.csv, rows)
+        return rows
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
     t0 = time.perf_counter()
     rows = run_accuracy(args.model, args.task, args.n, args.cache, args.block_length,
@@ -370,12 +449,16 @@ def run_from_args(args) -> list[dict]:
     print(f"model={args.model} split={args.split} n={args.n}/task block={r0['block_length']} batch={r0['batch_size']} "
           f"threads={torch.get_num_threads()} ({time.perf_counter() - t0:.0f}s)")
     print(format_table(rows))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
+    write_csv(args.csv, rows)
+    return rows
+
+
+def write_csv(path, rows) -> None:
+    if path and rows:
+        with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
             w.writeheader()
             w.writerows(rows)
-    return rows
 
 
 def main(argv=None) -> int:

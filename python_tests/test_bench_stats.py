@@ -5,6 +5,7 @@ half-width z sqrt(p(1-p)/n + z²/4n²) / (1 + z²/n). Exact McNemar: two-sided
 binomial test of b in b + c at 1/2, i.e. 2 P(X <= min(b, c)) capped at 1.
 """
 import math
+import os
 
 import pytest
 
@@ -150,3 +151,70 @@ def test_accuracy_reference_option_pairs_with_another_mode():
     assert by["stale"]["correct"] - by["dual"]["correct"] == by["stale"]["gained"] - by["stale"]["lost"]
     with pytest.raises(ValueError, match="reference"):
         run_accuracy("tiny-llada", "scan", 8, ("dual",), progress=False, reference="prefix")
+
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bench_accuracy_small.csv")
+
+
+def test_merge_recomputes_the_all_rows_of_a_real_run(tmp_path):
+    """Split a real run's CSV into one CSV per task; merging them gives back the
+    run's own all-task rows (pooled interval, summed paired counts, their p)."""
+    import csv
+
+    from bench.accuracy import merge_csvs, read_csv
+
+    rows = read_csv(FIXTURE)
+    with open(FIXTURE, newline="") as f:
+        raw = list(csv.DictReader(f))
+    paths = []
+    for task in ("scan", "add"):          # out of order on purpose: the merge keeps CSV order
+        p = tmp_path / f"{task}.csv"
+        with open(p, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(raw[0]))
+            w.writeheader()
+            w.writerows(r for r in raw if r["task"] == task)
+        paths.append(str(p))
+    merged = merge_csvs(paths)
+    assert [r["task"] for r in merged][:4] == ["scan"] * 4
+    want = {(r["cache"], r["rule"]): r for r in rows if r["task"] == "all"}
+    got = {(r["cache"], r["rule"]): r for r in merged if r["task"] == "all"}
+    assert set(got) == set(want) and len(want) == 4
+    for key, w in want.items():
+        g = got[key]
+        for k in ("n", "correct", "changed", "lost", "gained", "vs", "reused", "reuse_eligible"):
+            assert g[k] == w[k], (key, k)
+        for k in ("accuracy", "acc_lo", "acc_hi", "p_paired", "nfe", "run_per_call", "agree_seq", "reuse",
+                  "tokens_per_s"):
+            if w[k] is None:
+                assert g[k] is None, (key, k)
+            else:
+                assert g[k] == pytest.approx(w[k], rel=1e-9, abs=1e-15), (key, k)
+    stale = got[("stale", "1/call")]
+    assert (stale["lost"], stale["gained"]) == (21, 0)
+    assert stale["p_paired"] == pytest.approx(2 * 0.5 ** 21)
+
+
+def test_merge_refuses_mismatched_runs(tmp_path):
+    import csv
+
+    from bench.accuracy import merge_csvs
+
+    with open(FIXTURE, newline="") as f:
+        raw = list(csv.DictReader(f))
+    twice = [str(FIXTURE), str(FIXTURE)]
+    with pytest.raises(ValueError, match="twice"):
+        merge_csvs(twice)
+    other = tmp_path / "other.csv"
+    with open(other, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(raw[0]))
+        w.writeheader()
+        w.writerows(dict(r, model="tiny-dream", task="lag2") for r in raw if r["task"] == "add")
+    with pytest.raises(ValueError, match="model"):
+        merge_csvs([FIXTURE, str(other)])
+    short = tmp_path / "short.csv"
+    with open(short, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(raw[0]))
+        w.writeheader()
+        w.writerows(dict(r, task="lag2") for r in raw if r["task"] == "add" and r["cache"] != "stale")
+    with pytest.raises(ValueError, match="same modes"):
+        merge_csvs([FIXTURE, str(short)])
