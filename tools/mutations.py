@@ -471,6 +471,12 @@ MUTATIONS = [
              "reuse |= ops.drift_select(drift, region & rows[:, None], self.rho, Q)[0]",
              (T_DARE + "test_generate_equals_reference[cpu-rho-o-dual-llada]",),
              "DARE-O rho mode: layer l reuses floor(phi_l * n)"),
+    Mutation("dare-o-context-drift-restarts-at-recompute",
+             "dllm_ops/dare.py",
+             "        ops.scatter_rows(self._acc[layer], torch.zeros((*pos.shape, 1), dtype=torch.float32,\n",
+             "        ops.scatter_rows(self._acc[layer], torch.ones((*pos.shape, 1), dtype=torch.float32,\n",
+             (T_DARE + "test_generate_equals_reference[cpu-rho-o-dual-llada]",),
+             "DARE-O rule context: a recompute records the attention row and zeroes the context drift"),
 
     # ==== Python: dLLM-KVQ storage, calibration and TRACE ===========================
     Mutation("kvq-block-start-repacks",
