@@ -48,8 +48,7 @@ import json
 import os
 import sys
 
-DTYPES = {"auto": None, "fp32": "float32", "float32": "float32", "bf16": "bfloat16",
-          "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+from .model_flags import DTYPES, load_model
 
 
 class UsageError(Exception):
@@ -241,19 +240,6 @@ def config_from_argv(argv: list[str]):
     """The DecodeConfig a ``python -m dllm_ops generate ...`` command line would
     decode with (``argv`` without the program name), without loading a model."""
     return decode_config(build_parser().parse_args(argv))
-
-
-def load_model(args):
-    """``(model, device, dtype name)`` for --model, --dtype, --device, --threads."""
-    import torch
-
-    import dllm_ops
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = DTYPES[args.dtype] or ("bfloat16" if device.startswith("cuda") else "float32")
-    return dllm_ops.load(args.model, dtype=getattr(torch, dtype_name), device=device), device, dtype_name
 
 
 def _model_config(name: str):

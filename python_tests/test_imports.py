@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("decode", ["dllm_ops.decode", "dllm_ops.commit", "dllm_ops.state", "dllm_ops.prompts"]),
     # the package root re-exports the public API
     ("api", ["dllm_ops"]),
-    ("entry points", ["dllm_ops.__main__", "dllm_ops.cli", "dllm_ops.lm_eval_model",
+    ("entry points", ["dllm_ops.__main__", "dllm_ops.cli", "dllm_ops.model_flags",
+                      "dllm_ops.lm_eval_model", "dllm_ops.lm_eval_ranks", "dllm_ops.likelihood",
                       "dllm_ops.calibrate", "dllm_ops.tasks", "dllm_ops.serve"]),
 ]
 

@@ -52,7 +52,7 @@ class ServerReplica:
     """One replica: the model, its engine and the app (built when Ray asks)."""
 
     def __init__(self, spec: dict):
-        from ..cli import load_model
+        from ..model_flags import load_model
         from ..config import DecodeConfig
         from .engine import Engine
         from .metrics import ServerMetrics
