@@ -1,8 +1,10 @@
 """Makes the plain `lm_eval` command know the model ``dllm_ops``.
 
-lm-eval finds only the models its own package lists, so this module, imported
-at interpreter start by a one-line .pth file (`make build` writes it into the
-venv; `pip install .` installs it), waits for ``lm_eval.models`` to be
+lm-eval finds only the models its own package lists (0.4.13, the version
+requirements.txt pins, reads no plugin entry points for models: its registry
+is filled by imports), so this module, imported at interpreter start by a
+one-line .pth file (`make build` writes it into the venv; `pip install .`
+installs it), waits for ``lm_eval.models`` to be
 imported and then registers ``dllm_ops`` as a lazy entry pointing at
 dllm_ops.lm_eval_model:DllmOpsLM. It imports nothing itself: a Python that
 never imports lm_eval pays one finder lookup per import and nothing else.
