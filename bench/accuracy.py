@@ -392,15 +392,17 @@ def format_table(rows: list[dict]) -> str:
     line naming the paired reference and what the columns mean."""
     from bench.stats import LEGEND
 
+    wide = max([12] + [len(r["cache"]) for r in rows])   # d2cache:k=4,p=0.1,sigma=3
+    cols = [(key, title, wide if key == "cache" else w) for key, title, w in COLUMNS]
     head = " ".join(f"{title:<{w}}" if key in ("task", "cache", "rule") else f"{title:>{w}}"
-                    for key, title, w in COLUMNS)
+                    for key, title, w in cols)
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
         if last is not None and r["task"] != last:
             lines.append("")
         last = r["task"]
-        lines.append(" ".join(_cell(key, r, w) for key, _, w in COLUMNS))
+        lines.append(" ".join(_cell(key, r, w) for key, _, w in cols))
     ref = next((r["vs"] for r in rows if r.get("vs")), None)
     if ref:
         lines += [""] + textwrap.wrap(f"paired against: {ref}. {LEGEND}", 100)
