@@ -14,7 +14,9 @@ bench.accuracy's cached rows), and `dual` alone as the baseline. Rules:
 - uniform:      the accumulated key drift weighted uniformly over the keys the
                 token could attend to (no attention row: "any token changed");
 - topk4:        the accumulated key drift of the 4 keys the token attended to
-                most at its last recompute, unweighted.
+                most at its last recompute, unweighted;
+- context-rc:   context, with the token's own query drift measured against its
+                query at its last recompute in the layer.
 
 The last three are ablations defined here, not library rules; they reuse the
 library's context machinery and change only what is recorded at a recompute
@@ -66,7 +68,28 @@ class TopK(DareO):
         super().recomputed(layer, torch.zeros_like(probs, dtype=torch.float32).scatter_(-1, top, 1.0), pos)
 
 
-VARIANTS = {"context-call": ContextPerCall, "uniform": Uniform, "topk4": TopK}
+class SinceRecompute(DareO):
+    """Rule context with the token's own query drift measured against its query
+    at its last recompute in the layer (not at its last run)."""
+
+    def select(self, layer, q0, idx, T):
+        old = None if self._prev_q[layer] is None else self._prev_q[layer].clone()
+        rows = super().select(layer, q0, idx, T)
+        if rows is not None and old is not None:
+            from dllm_ops.models.transformer import row_mask
+            reused = (idx >= 0) & ~row_mask(rows, idx.shape[1])
+            b, j = reused.nonzero(as_tuple=True)
+            pos = idx[b, j]
+            self._prev_q[layer][b, pos] = old[b, pos] * self._seen_before[b, pos, None] \
+                + self._prev_q[layer][b, pos] * ~self._seen_before[b, pos, None]
+        return rows
+
+    def _context(self, layer, drift, has_prev, idx, T):
+        self._seen_before = self._seen[layer].clone()
+        return super()._context(layer, drift, has_prev, idx, T)
+
+
+VARIANTS = {"context-call": ContextPerCall, "uniform": Uniform, "topk4": TopK, "context-rc": SinceRecompute}
 
 
 def make_rule(rule: str, rho, config):
