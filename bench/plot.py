@@ -36,7 +36,7 @@ import sys
 
 ACCURACY_COLUMNS = {"task", "cache", "rule", "accuracy", "run_per_call", "n"}
 COST_COLUMNS = {"cache", "speedup_wall", "flops_ratio"}
-_DARE = re.compile(r"^(?P<base>.+)\+(?P<kind>kv|o)@(?P<target>t?[0-9.]+)$")
+_DARE = re.compile(r"^(?P<base>.+)\+(?P<kind>kv|o)(?P<rule>:\w+)?@(?P<target>t?[0-9.]+)$")
 
 
 class PlotError(Exception):
@@ -101,12 +101,12 @@ def dare_curves(rows: list[dict]) -> dict[str, dict[str, list[tuple]]]:
         m = _DARE.match(r["cache"])
         if not m or _num(r.get("reuse")) is None:
             continue
-        fam = f"{m['base']}+{m['kind']} ({r['rule']})"
+        fam = f"{m['base']}+{m['kind']}{m['rule'] or ''} ({r['rule']})"
         out.setdefault(r["task"], {}).setdefault(fam, []).append(
             (float(r["reuse"]), *_interval(r), r["cache"]))
     for task, fams in out.items():
         for fam, pts in fams.items():
-            base, rule = fam.split("+")[0], fam.split(" (", 1)[1][:-1]
+            base, rule = fam.rsplit("+", 1)[0], fam.split(" (", 1)[1][:-1]
             plain = next((r for r in rows if r["task"] == task and r["cache"] == base and r["rule"] == rule),
                          None)
             if plain is not None:

@@ -114,3 +114,22 @@ def test_plot_errors(tmp_path, capsys, monkeypatch):
     assert main(["plot", ACC]) == 2
     err = capsys.readouterr().err
     assert "needs matplotlib" in err and "dllm_ops[plot]" in err
+
+
+def test_dare_families_keep_the_rule_and_the_target_kind():
+    """Mode strings with a DARE rule (dual+o:drift@0.5) and drift thresholds
+    (dual+o@t0.05) form families of their own, each from its plain cache."""
+    from bench.plot import dare_curves
+
+    def row(cache, acc, reuse):
+        return dict(task="all", cache=cache, rule="thr 0.9", n="100", correct=str(acc), accuracy=str(acc / 100),
+                    acc_lo="", acc_hi="", reuse=reuse)
+
+    rows = [row("dual", 98, ""), row("dual+o:drift@0.5", 50, "0.5"), row("dual+o@0.5", 97, "0.49"),
+            row("dual+o:drift@0.75", 40, "0.74"), row("prefix+kv@t0.05", 90, "0.3")]
+    curves = dare_curves(rows)["all"]
+    assert set(curves) == {"dual+o:drift (thr 0.9)", "dual+o (thr 0.9)", "prefix+kv (thr 0.9)"}
+    assert [p[-1] for p in curves["dual+o:drift (thr 0.9)"]] == ["dual", "dual+o:drift@0.5", "dual+o:drift@0.75"]
+    assert [p[-1] for p in curves["prefix+kv (thr 0.9)"]] == ["prefix+kv@t0.05"]   # prefix did not run
+    lo, hi = wilson(40, 100)
+    assert curves["dual+o:drift (thr 0.9)"][-1][:4] == pytest.approx((0.74, 0.4, lo, hi))
