@@ -63,7 +63,7 @@ argmax and the probability); Dream reads each position's logits one row to
 the left. This is ``dllm_ops.generate`` with one block of L, ``steps = L``,
 ``unmask=topk``, temperature 0, no cache and no EOS stop for LLaDA; it is not
 Dream's own loop at ``steps = L``, whose schedule commits 0 tokens at the
-first step and several at the last. It costs L model calls per request.
+first step and 2 at the last. It costs L model calls per request.
 
 **Rolling** (:func:`rolling_windows`): a text's bound is the sum of its
 windows' bounds: the first window scores up to ``max_seq_len - 1`` tokens

@@ -159,6 +159,13 @@ def test_greedy_flag_is_the_one_token_per_step_greedy_decode(ckpt, device):
         reqs += [(ctx, g), (ctx, other)]
         want += [True, False]
     assert est.greedy(reqs) == want
+    if arch == "llada":   # the docstring's claim: LLaDA's generate at one token per call, no cache
+        for ctx, g in reqs[::2]:
+            L = len(g)
+            out = dllm_ops.generate(est.model, [ctx], dict(
+                shape=dict(gen_length=L, block_length=L, steps=L, stop_at_eos=False),
+                reveal=dict(unmask="topk"), cache=dict(method="none")))
+            assert out.tokens[0].tolist() == g
 
 
 # ---- rolling windows, errors --------------------------------------------------------------------
