@@ -218,3 +218,28 @@ def test_merge_refuses_mismatched_runs(tmp_path):
         w.writerows(dict(r, task="lag2") for r in raw if r["task"] == "add" and r["cache"] != "stale")
     with pytest.raises(ValueError, match="same modes"):
         merge_csvs([FIXTURE, str(short)])
+
+
+@pytest.mark.models
+def test_kvq_rows_carry_intervals_and_pair_with_bf16():
+    """bench.kvq accuracy: every quantized row paired with the bf16 decode of its
+    cache (K2V2 changes answers on `lag2`, which reads committed tokens)."""
+    from bench.kvq import format_rows, run_accuracy
+
+    n = 10
+    rows = run_accuracy("tiny-llada", "lag2", n, ("dual",), progress=False)
+    by = {(r["task"], r["method"]): r for r in rows}
+    for r in rows:
+        assert (r["acc_lo"], r["acc_hi"]) == pytest.approx(wilson(r["correct"], r["n"]))
+        if r["method"] == "bf16":
+            assert r["vs"] is None and r["lost"] is None
+            continue
+        base = by[(r["task"], "bf16")]
+        assert r["vs"] == "dual bf16"
+        assert r["correct"] - base["correct"] == r["gained"] - r["lost"]
+        assert r["changed"] == round((1 - r["agree_seq"]) * r["n"])
+        assert r["p_paired"] == pytest.approx(mcnemar_exact(r["lost"], r["gained"]))
+    assert sum(by[("lag2", m)]["changed"] for m in ("KIVI K2V2", "dLLM-KVQ K2V2")) > 0
+    assert by[("all", "KIVI K2V2")]["lost"] == by[("lag2", "KIVI K2V2")]["lost"]
+    text = format_rows(rows)
+    assert "95% CI" in text and "paired against: the bf16 row of the same cache" in text
