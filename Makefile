@@ -107,7 +107,9 @@ mutate-fast: build
 # Exact match, NFE, tokens/s and agreement with vanilla of the shipped
 # tiny-llada on 500 held-out problems per task, for every cache mode.
 demo: build
-	$(VPY) -m bench decode --model tiny-llada --task all --n 500
+	mkdir -p build
+	$(VPY) -m bench decode --model tiny-llada --task all --n 500 --csv build/demo.csv
+	$(VPY) -m bench plot build/demo.csv
 
 # Re-train the shipped tiny models into dllm_ops/checkpoints, overwriting them
 # (dllm_ops/checkpoints/README.md): both at once, one core each; the llada
