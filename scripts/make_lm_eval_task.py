@@ -23,7 +23,14 @@ the answer with one token replaced by another answer word (different
 positions, so the distractors differ from the answer and from each other and
 have its length: the model must get every token of the answer right, not its
 length); the order of the four is shuffled, all seeded by the problem's
-prompt. Chance is 25 %. ``dllm_tasks_mc`` groups them (mean acc over tasks).
+prompt. Chance is 25 %. Each choice is the task's whole generated region, as
+the models were trained on it and as generation is scored: the answer words,
+then the EOS word up to the task's gen_length. (Chosen on the calib split:
+without the padding, a canvas that ends right after the answer is one the
+models never saw, and tiny-dream's one-shot log-probability of the correct
+`sub` answer falls from about 0 to -26..-54 nats; calib acc of tiny-dream on
+sub, mc_num 16: 0.75 unpadded, 1.0 padded.) ``dllm_tasks_mc`` groups them
+(mean acc over tasks).
 """
 from __future__ import annotations
 
@@ -136,17 +143,27 @@ def mc_choices(answer: str, words: list[str], prompt: str) -> tuple[list[str], i
     return [choices[i] for i in order], order.index(0)
 
 
+def pad_region(words: str, gen_length: int, eos_word: str) -> str:
+    """`words` followed by the EOS word up to `gen_length` words: a generated region."""
+    n = len(words.split())
+    if n > gen_length:
+        raise SystemExit(f"make_lm_eval_task: {n} words do not fit a region of {gen_length}")
+    return " ".join([words] + [eos_word] * (gen_length - n))
+
+
 def write_mc_tasks(out: str, tasks="all", n: int = 100, seed: int = 0, split: str = "test",
                    tokenizer=None) -> list[str]:
     """Write the multiple-choice JSONL + YAML files into `out`; returns the task names.
 
     The problems are those of :func:`write_tasks` (the same task, n, seed, split); each
-    choice is checked to encode, after the prompt, to its own words' ids."""
-    from dllm_ops.tasks import encode, problems, task_names
+    choice (:func:`mc_choices`, padded to the task's region by :func:`pad_region`) is
+    checked to encode, after the prompt, to its own words' ids."""
+    from dllm_ops.tasks import TASKS, encode, problems, task_names, vocab_ids
 
     if tokenizer is None:
         from dllm_ops.models import load_tokenizer, resolve_checkpoint
         tokenizer = load_tokenizer(resolve_checkpoint("tiny-llada"))
+    eos_word = next(w for w, i in vocab_ids().items() if i == vocab_ids()["<eos>"])
     names = task_names(tasks)
     os.makedirs(out, exist_ok=True)
     out = os.path.abspath(out)
@@ -157,6 +174,7 @@ def write_mc_tasks(out: str, tasks="all", n: int = 100, seed: int = 0, split: st
         with open(data, "w") as f:
             for p in ps:
                 choices, label = mc_choices(p.answer, words, p.prompt)
+                choices = [pad_region(c, TASKS[name].gen_length, eos_word) for c in choices]
                 ctx = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
                 for c in choices:
                     ids = tuple(tokenizer(p.prompt + " " + c, add_special_tokens=False)["input_ids"])
