@@ -1,7 +1,8 @@
 """lm-eval-harness (0.4.x) model ``dllm_ops``: generation tasks decoded by
 dllm_ops.generate with any cache method; multiple-choice and perplexity tasks
 scored by the Monte-Carlo estimate of the masked-diffusion bound
-(dllm_ops.likelihood).
+(dllm_ops.likelihood). Under ``accelerate launch`` every rank decodes its
+shard (dllm_ops/lm_eval_ranks.py).
 
     pip install -r requirements.txt   # lm_eval is pinned there; `make build` registers the model
     lm_eval --model dllm_ops \\
@@ -10,8 +11,10 @@ scored by the Monte-Carlo estimate of the masked-diffusion bound
     lm_eval --model dllm_ops --model_args pretrained=tiny-llada,mc_num=32,greedy_check=false \\
             --tasks <multiple-choice tasks>
 
-``--model_args``: the model-loading keys ``pretrained`` (a checkpoint folder
-or a shipped model name), ``dtype`` (auto | float32 | bfloat16 | float16;
+``--model_args``: the model-loading keys ``pretrained`` (a checkpoint folder,
+a shipped model name or a Hugging Face Hub id from the local cache),
+``revision`` (the Hub id's branch, tag or commit; ``pretrained=org/name@rev``
+says the same), ``dtype`` (auto | float32 | bfloat16 | float16;
 auto: bf16 on CUDA, fp32 on CPU), ``device``, ``batch_size``, ``threads``,
 ``max_gen_toks``; every other key is a decode setting, parsed into one
 :class:`dllm_ops.config.DecodeConfig` by the parser the command line's
@@ -59,6 +62,7 @@ import dllm_ops
 from dllm_ops.config import config_from_model_args, region_length
 from dllm_ops.errors import LmEvalArgError
 from dllm_ops.likelihood import LikelihoodEstimator, rolling_windows
+from dllm_ops.lm_eval_ranks import DataParallelRanks
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +93,13 @@ def _positive_int(name, value) -> int:
 
 
 @register_model("dllm_ops")
-class DllmOpsLM(LM):
+class DllmOpsLM(DataParallelRanks, LM):
     def __init__(self, pretrained: str, dtype: str = "auto", device: str | None = None,
                  batch_size=1, max_batch_size=None, threads=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS,
                  mc_num=DEFAULT_MC_NUM, mc_batch_size=DEFAULT_MC_BATCH_SIZE, greedy_check=True,
-                 **decode_settings):
+                 revision=None, **decode_settings):
         super().__init__()
+        device = self.join_ranks(device)   # under accelerate launch: this rank's device
         if str(dtype) not in DTYPES:
             raise LmEvalArgError(f"dtype {dtype!r}; choose from {sorted(DTYPES)}")
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -113,7 +118,8 @@ class DllmOpsLM(LM):
                         device)
             self._device = torch.device("cpu")
         torch_dtype = DTYPES[str(dtype)] or (torch.bfloat16 if self._device.type == "cuda" else torch.float32)
-        self.model = dllm_ops.load(pretrained, dtype=torch_dtype, device=self._device)
+        self.model = dllm_ops.load(pretrained, dtype=torch_dtype, device=self._device,
+                                   revision=None if revision is None else str(revision))
         self.tokenizer = self.model.tokenizer
         self.pretrained = str(pretrained)
         self.decode_stats = []   # generate()'s stats per batch, for whoever wants them
@@ -137,6 +143,7 @@ class DllmOpsLM(LM):
                                                   add_generation_prompt=add_generation_prompt)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self.rank_note(f"{len(requests)} loglikelihood requests")
         pairs = [self._encode_pair(*req.args) for req in requests]
         lls = self._estimate(pairs, disable_tqdm, "dllm_ops loglikelihood")
         greedy = self.estimator.greedy(pairs) if self.greedy_check else [False] * len(pairs)
@@ -147,6 +154,7 @@ class DllmOpsLM(LM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        self.rank_note(f"{len(requests)} loglikelihood_rolling requests")
         prefix = self._prefix_id()
         windows, owner = [], []
         for r, req in enumerate(requests):
@@ -165,6 +173,7 @@ class DllmOpsLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        self.rank_note(f"{len(requests)} generate_until requests")
         from tqdm.auto import tqdm
 
         results: list[str | None] = [None] * len(requests)

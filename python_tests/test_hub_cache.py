@@ -240,3 +240,11 @@ def test_lm_eval_pretrained_hub_id(offline):
     lm = DllmOpsLM(pretrained=f"{REPO}@dream", dtype="float32", device="cpu")
     assert lm.model.config.arch == "dream"
     assert _same_weights(lm.model, load("tiny-dream", dtype=torch.float32, tokenizer=False))
+
+
+def test_lm_eval_revision_key(offline):
+    """model_args ``revision=`` picks the Hub id's revision, as ``@rev`` does."""
+    pytest.importorskip("lm_eval")
+    from dllm_ops.lm_eval_model import DllmOpsLM
+    lm = DllmOpsLM(pretrained=REPO, revision="dream", dtype="float32", device="cpu")
+    assert lm.model.config.arch == "dream"
