@@ -677,7 +677,7 @@ def test_a_request_past_its_timeout_gets_504(model):
     (["--replicas", "0"], "--replicas must be at least 1"),
     (["--gpus-per-replica", "-1"], "must not be negative"),
     (["--gpus-per-replica", "1", "--device", "cpu"], "GPUs they never use"),
-])
+], ids=["zero-replicas", "negative-gpus", "gpus-on-cpu"])
 def test_bad_replica_flags_are_refused_before_ray_starts(flags, text, capsys, monkeypatch):
     import sys
 

@@ -578,13 +578,6 @@ MUTATIONS = [
              'decoders.WordPiece(prefix="##")',
              ("python_tests/test_checkpoints.py::test_word_level_decoder_keeps_every_space[hello , world .]",),
              "the word-level decoder joins words with spaces and nothing else"),
-    # ==== the command line (dllm_ops/cli.py) =======================================
-    Mutation("cli-stats-on-stdout",
-             "dllm_ops/cli.py",
-             "        print(stats_line(s), file=sys.stderr)\n        return 0\n",
-             "        print(stats_line(s))\n        return 0\n",
-             ("python_tests/test_cli_conventions.py::test_text_on_stdout_stats_on_stderr",),
-             "CLI: the text alone on stdout, the stats line on stderr", fast=True),
     # ==== Python: lm-eval likelihood (dllm_ops/likelihood.py) ===========================
     Mutation("likelihood-no-length-over-masked-weight",
              "dllm_ops/likelihood.py",
@@ -625,4 +618,17 @@ MUTATIONS = [
              'proportion_ci(confidence_level=level, method="exact")',
              ("python_tests/test_bench_stats.py::test_wilson_interval_matches_the_formula",),
              "accuracy intervals are 95% Wilson score intervals (no continuity correction)"),
+    # ==== scale-out: lm-eval ranks, server replicas (issue 38) =======================
+    Mutation("lm-eval-ranks-gather-own-samples-only",
+             "dllm_ops/lm_eval_ranks.py",
+             "        dist.gather_object(obj, out, dst=dst)\n        return out\n",
+             "        return [obj]\n",
+             ("python_tests/test_lm_eval_ranks.py::test_two_ranks_score_what_one_process_scores",),
+             "data-parallel lm-eval: rank 0 scores every rank's samples, not its own shard"),
+    Mutation("serve-replicas-zero-allowed",
+             "dllm_ops/serve/replicas.py",
+             "    if args.replicas < 1:",
+             "    if args.replicas < 0:",
+             ("python_tests/test_server.py::test_bad_replica_flags_are_refused_before_ray_starts[zero-replicas]",),
+             "serve --ray: --replicas below 1 is refused before Ray starts", fast=True),
 ]
