@@ -17,14 +17,15 @@ from backends import BACKENDS, op, to
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 # Normed rows: the fp32 sum's error can move T(r · inv) and then T(· w) by one
-# ulp each; fp32 adds a few ulps of the sum itself. SiLU: the fp32 exp (2 ulp).
+# ulp each; fp32 adds a few ulps of the sum itself. SiLU: the fp32 exp (2 ulp),
+# and in fp16 / bf16 a rounded SiLU a tie away from the float64 one's.
 NORM_ULPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
-SILU_ULPS = {torch.float32: 4, torch.float16: 1, torch.bfloat16: 1}
+SILU_ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 def assert_within_ulps(got, want, dtype, ulps, label):
     """|got - want| <= ulps · ulp(want) element-wise (ulp at the dtype's smallest normal
-    near zero); NaN where want is NaN, and equal infinities."""
+    near zero, plus fp32's smallest normal); NaN where want is NaN, and equal infinities."""
     g, w = got.double().cpu(), want.double().cpu()
     nan = w.isnan()
     assert torch.equal(g.isnan(), nan), f"{label}: NaN pattern"
@@ -35,7 +36,9 @@ def assert_within_ulps(got, want, dtype, ulps, label):
     exp = torch.floor(torch.log2(w[fin].abs().clamp_min(tiny)))
     ulp = torch.pow(2.0, exp - MANTISSA[dtype])
     err = (g[fin] - w[fin]).abs()
-    bad = err > ulps * ulp
+    # + the fp32 subnormal range: the kernels compute in fp32, whose exp (eager
+    # torch's too) flushes a SiLU below ~1e-38 to zero where float64 does not.
+    bad = err > ulps * ulp + torch.finfo(torch.float32).tiny
     assert not bad.any(), (f"{label}: {int(bad.sum())} elements off by more than {ulps} ulp; worst "
                            f"{float((err / ulp).max()):.2f} ulp")
 
@@ -164,7 +167,7 @@ def test_add_rms_norm_rejects_bad_input(backend):
     x, r, w = to(backend, torch.randn(2, 8), torch.randn(2, 8), torch.ones(8))
     cases = [
         ((x, r[:, :4], w, 1e-6), r"x and residual must have the same shape"),
-        ((x, r.double(), w, 1e-6), r"x must be float32, float16 or bfloat16|must have the same dtype"),
+        ((x, r.double(), w, 1e-6), r"x and residual must have the same dtype"),
         ((x.double(), r.double(), w.double(), 1e-6), r"x must be float32, float16 or bfloat16"),
         ((x, r.half(), w, 1e-6), r"x and residual must have the same dtype"),
         ((x, r, w[:4], 1e-6), r"weight must have C = 8"),
@@ -258,5 +261,7 @@ def test_silu_mul_rejects_bad_input(backend):
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
 def test_silu_mul_opcheck(backend):
     op(backend, "silu_mul")
-    for gate, up, _ in silu_inputs(torch.float32):
+    for gate, up, label in silu_inputs(torch.float32):
+        if "NaN" in label:   # opcheck compares outputs with NaN != NaN
+            continue
         opcheck(torch.ops.dllm.silu_mul.default, to(backend, gate, up))
