@@ -95,7 +95,7 @@ def _check_norm(backend, x, r, w, eps, label):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_add_rms_norm_matches_oracle(backend, dtype):
     for x, r, w, eps, label in norm_inputs(dtype):
         _check_norm(backend, x, r, w, eps, label)
@@ -223,7 +223,7 @@ def _check_silu(backend, gate, up, label):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_silu_mul_matches_oracle(backend, dtype):
     for gate, up, label in silu_inputs(dtype):
         _check_silu(backend, gate, up, label)

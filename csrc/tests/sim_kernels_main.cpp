@@ -978,16 +978,18 @@ static double rounded(double v) {
 
 // add_rms_norm_ against a host loop in double: the residual update bit for
 // bit, the normed rows within `tol` (the fp32 sum's error, then the
-// roundings of the element type).
+// roundings of the element type). `scale` multiplies the inputs: small rows
+// make eps matter, large fp16 rows overflow a sum of squares kept in fp16.
 template <typename T>
-static void test_add_rms_norm(const char* name, int rows, int C, float eps, double tol) {
+static void test_add_rms_norm(const char* name, int rows, int C, float eps, double tol,
+                              float scale = 1.f) {
   using dllm::cuda::to_float;
   std::mt19937 rng(rows * 97 + C);
   std::normal_distribution<float> n01;
   std::vector<T> x(size_t(rows) * C), res(size_t(rows) * C), w(C);
   for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = cast_from_float<T>(n01(rng));
-    res[i] = cast_from_float<T>(3.f * n01(rng));
+    x[i] = cast_from_float<T>(scale * n01(rng));
+    res[i] = cast_from_float<T>(3.f * scale * n01(rng));
   }
   for (int c = 0; c < C; ++c) w[c] = cast_from_float<T>(1.f + 0.25f * n01(rng));
   if (rows > 1)  // a zero row: normed to exact zeros (eps > 0)
@@ -1044,6 +1046,8 @@ static void test_layer_family() {
     test_add_rms_norm<float>("add_rms_norm_<float>", 3, C, 1e-6f, 5e-6);
     test_add_rms_norm<__nv_bfloat16>("add_rms_norm_<bf16>", 2, C, 1e-5f, 1e-2);
     test_add_rms_norm<__half>("add_rms_norm_<half>", 2, C, 1e-5f, 2e-3);
+    test_add_rms_norm<float>("add_rms_norm_<float> small rows", 2, C, 1e-5f, 5e-6, 1e-3f);
+    test_add_rms_norm<__half>("add_rms_norm_<half> large rows", 2, C, 1e-5f, 2e-3, 30.f);
   }
   for (int I : {1, 5, 128, 2819}) {
     test_silu_mul<float>("silu_mul<float>", 3, I, 1e-6);
