@@ -49,4 +49,7 @@ TORCH_LIBRARY(dllm, m) {
         "Tensor k_prot_idx, Tensor k_prot_val, int k_bits, int k_group, Tensor v_codes, "
         "Tensor v_scale, Tensor v_min, int v_bits, int v_group, Tensor? key_valid, float scale) "
         "-> Tensor");
+  // ---- family: layer --------------------------------------------------------
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
 }

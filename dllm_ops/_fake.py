@@ -163,3 +163,20 @@ def _quant_attention_fake(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_
     torch._check(q.dtype == k_scale.dtype == v_scale.dtype,
                  lambda: "dllm::quant_attention: q and the packed caches must share a dtype")
     return q.new_empty(q.shape)
+
+
+# ---- family: layer -------------------------------------------------------------
+
+@torch.library.register_fake("dllm::add_rms_norm_")
+def _add_rms_norm__fake(x, residual, weight, eps):
+    torch._check(x.shape == residual.shape, lambda: "dllm::add_rms_norm_: x and residual shapes")
+    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+                 lambda: "dllm::add_rms_norm_: weight must be [C]")
+    return None
+
+
+@torch.library.register_fake("dllm::silu_mul")
+def _silu_mul_fake(gate, up):
+    torch._check(gate.shape == up.shape, lambda: "dllm::silu_mul: gate and up shapes")
+    torch._check(gate.dtype == up.dtype, lambda: "dllm::silu_mul: gate and up dtypes")
+    return gate.new_empty(gate.shape)

@@ -14,6 +14,7 @@ __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 __all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
             "quant_attention"]  # family: quant
+__all__ += ["add_rms_norm_", "silu_mul"]  # family: layer
 
 
 def has_cuda_kernels(op: str = "cosine_drift") -> bool:
@@ -537,3 +538,63 @@ def quant_attention(q: torch.Tensor, k: PackedK, v: PackedV, key_valid: torch.Te
                          f"{v.codes.shape[2]}")
     return torch.ops.dllm.quant_attention.default(
         q, *k.tensors(), k.bits, k.group, *v.tensors(), v.bits, v.group, key_valid, float(scale))
+
+
+# ---- family: layer -------------------------------------------------------------
+# The fused epilogues of a pre-norm transformer layer. Their roundings are
+# those of the eager torch code they replace (dllm_ops/models/transformer.py;
+# csrc/math/layer_math.h), so a model that calls them keeps its bits up to
+# the order of one fp32 sum (the norm) and the exp of SiLU.
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> None:
+    """Residual add + RMSNorm in one pass, in place (vLLM's ``fused_add_rms_norm``):
+    ``residual += x``, then ``x = rmsnorm(residual) * weight``.
+
+    Per row of ``C`` elements, with ``T(.)`` rounding fp32 to the dtype:
+    ``r = T(residual + x)`` (torch's add), ``inv = 1 / sqrt(Σ r² / C + eps)``
+    summed in fp32, ``x = T(T(r · inv) · weight)`` -- exactly the steps of
+    ``xf = r.float(); (xf * rsqrt(xf.pow(2).mean(-1) + eps)).to(T) * weight``
+    (LLaDA's and Dream's RMSNorm). The residual update is bit for bit that of
+    ``residual + x``; the normed rows differ from the float64 oracle only by
+    the fp32 sum's error (its order differs per backend and CPU instruction
+    set), i.e. within an ulp or two of the dtype. A row's result does not
+    depend on the other rows of the call.
+
+    Args:
+        x: ``[..., C]`` float32 / float16 / bfloat16; read, then overwritten
+            with the normed rows (may be non-contiguous).
+        residual: same shape, dtype and device as ``x``, not overlapping it;
+            updated in place (may be non-contiguous).
+        weight: ``[C]``, the same dtype.
+        eps: added to the mean of squares, finite and ``>= 0``.
+
+    Raises:
+        RuntimeError ``dllm::add_rms_norm_: ...`` on a shape, dtype or device
+        mismatch, overlapping ``x`` / ``residual``, or a bad ``eps``.
+    """
+    torch.ops.dllm.add_rms_norm_.default(x, residual, weight, float(eps))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation, ``F.silu(gate) * up``, in one pass.
+
+    Two tensors, as the models' separate gate / up projections produce them;
+    rows of a wider tensor work without a copy (e.g. the halves
+    ``gu[..., :I], gu[..., I:]`` of one concatenated projection). Per element,
+    ``T(T(silu(g)) · u)`` with ``silu(g) = g / (1 + e^-g)`` in fp32: the eager
+    code's two roundings, so the bits are eager torch's up to the exp (within
+    2 fp32 ulp; equal after rounding to bf16 / fp16 but for rare ties).
+
+    Args:
+        gate, up: ``[..., I]`` float32 / float16 / bfloat16, same shape, dtype
+            and device; the last dim need not be contiguous (a copy is made).
+
+    Returns:
+        ``[..., I]`` contiguous, the inputs' dtype.
+
+    Raises:
+        RuntimeError ``dllm::silu_mul: ...`` on a shape, dtype or device mismatch.
+    """
+    return torch.ops.dllm.silu_mul.default(gate, up)

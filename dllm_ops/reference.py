@@ -16,6 +16,7 @@ __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 __all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
             "quant_attention"]  # family: quant
+__all__ += ["add_rms_norm_", "silu_mul"]  # family: layer
 
 
 def cosine_drift(x: torch.Tensor, x_prev: torch.Tensor) -> torch.Tensor:
@@ -437,3 +438,26 @@ def quant_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, 
     kc = dequantize_k(k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group, T)
     vc = dequantize_v(v_codes, v_scale, v_min, v_bits, v_group)
     return sparse_attention(q, kc, vc, key_valid, scale, False)[0]
+
+
+# ---- family: layer -------------------------------------------------------------
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> None:
+    """``residual += x`` (one rounding from fp32, as torch's add), then
+    ``x = T(T(r · inv) · weight)``, ``inv = 1 / sqrt(mean(r²) + eps)`` in float64."""
+    dtype = x.dtype
+    r = (residual.float() + x.float()).to(dtype)
+    rd = r.double()
+    inv = torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (rd * inv).to(dtype).double() * weight.double()
+    residual.copy_(r)
+    x.copy_(normed.to(dtype))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``T(T(silu(gate)) · up)``, silu in float64."""
+    dtype = gate.dtype
+    s = torch.nn.functional.silu(gate.double()).to(dtype)
+    return (s.double() * up.double()).to(dtype)

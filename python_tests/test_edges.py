@@ -114,6 +114,8 @@ def _op_inputs():
         "dequantize_k": (*pk.tensors(), 4, 8, T),
         "dequantize_v": (*pv.tensors(), 4, 8),
         "quant_attention": (q, *pk.tensors(), 4, 8, *pv.tensors(), 4, 8, valid, 0.2),
+        "add_rms_norm_": (_rnd(g, B, 3, 8), _rnd(g, B, 3, 8), _rnd(g, 8), 1e-6),
+        "silu_mul": (_rnd(g, B, 5), _rnd(g, B, 5)),
     }
 
 

@@ -4,3 +4,4 @@ from . import select  # noqa: F401
 from . import rollout  # noqa: F401
 from . import sparse_kv  # noqa: F401
 from . import quant  # noqa: F401
+from . import layer  # noqa: F401

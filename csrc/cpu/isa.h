@@ -29,6 +29,8 @@
 //     every copy: quantizing has nothing to contract, and dequantizing passes
 //     the product through an empty asm statement before adding the min
 //     (quant_kernels.h explains).
+//   layer: add_rms_norm_'s sum of squares and silu_mul's exp (tolerance
+//     tests; the residual update, one add and one rounding, is exact).
 // Compiled once, for the baseline: the rollout sums (their multiply-adds
 // would contract), quant's per-group scale / min step and its K error loop.
 //

@@ -7,6 +7,7 @@
 #include "cuda/rollout.cuh"
 #include "cuda/sparse_kv.cuh"
 #include "cuda/quant.cuh"
+#include "cuda/layer.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -967,7 +968,96 @@ static void test_quant_family_all() {
   test_quant_family<__half>("quant<half> 4-bit", 4, 5e-3);
 }
 
+// ---- family: layer ---------------------------------------------------------
+
+// T(v): v rounded to the element type and back, as the kernels store.
+template <typename T>
+static double rounded(double v) {
+  return dllm::cuda::to_float(cast_from_float<T>(static_cast<float>(v)));
+}
+
+// add_rms_norm_ against a host loop in double: the residual update bit for
+// bit, the normed rows within `tol` (the fp32 sum's error, then the
+// roundings of the element type). `scale` multiplies the inputs: small rows
+// make eps matter, large fp16 rows overflow a sum of squares kept in fp16.
+template <typename T>
+static void test_add_rms_norm(const char* name, int rows, int C, float eps, double tol,
+                              float scale = 1.f) {
+  using dllm::cuda::to_float;
+  std::mt19937 rng(rows * 97 + C);
+  std::normal_distribution<float> n01;
+  std::vector<T> x(size_t(rows) * C), res(size_t(rows) * C), w(C);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = cast_from_float<T>(scale * n01(rng));
+    res[i] = cast_from_float<T>(3.f * scale * n01(rng));
+  }
+  for (int c = 0; c < C; ++c) w[c] = cast_from_float<T>(1.f + 0.25f * n01(rng));
+  if (rows > 1)  // a zero row: normed to exact zeros (eps > 0)
+    for (int c = 0; c < C; ++c) x[c] = res[c] = cast_from_float<T>(0.f);
+  const std::vector<T> x0 = x, r0 = res;
+  dllm::cuda::launch_add_rms_norm<T>(
+      {.x = x.data(), .residual = res.data(), .weight = w.data(), .rows = rows, .C = C, .eps = eps},
+      nullptr);
+  for (int r = 0; r < rows; ++r) {
+    double ss = 0.0;
+    std::vector<double> rv(C);
+    for (int c = 0; c < C; ++c) {
+      const size_t i = size_t(r) * C + c;
+      rv[c] = rounded<T>(double(to_float(r0[i])) + double(to_float(x0[i])));
+      if (double(to_float(res[i])) != rv[c]) {
+        std::fprintf(stderr, "FAIL %s residual[%d,%d]: got %.9g want %.9g\n", name, r, c,
+                     double(to_float(res[i])), rv[c]);
+        ++g_failures;
+      }
+      ss += rv[c] * rv[c];
+    }
+    const double inv = 1.0 / std::sqrt(ss / C + eps);
+    for (int c = 0; c < C; ++c) {
+      const double want = rounded<T>(rounded<T>(rv[c] * inv) * double(to_float(w[c])));
+      expect_close(to_float(x[size_t(r) * C + c]), want, tol, name, r * C + c);
+    }
+  }
+}
+
+// silu_mul against a host loop in double, gate and up as strided rows.
+template <typename T>
+static void test_silu_mul(const char* name, int rows, int I, double tol) {
+  using dllm::cuda::to_float;
+  std::mt19937 rng(rows * 89 + I);
+  std::normal_distribution<float> n01;
+  const int64_t stride = 2 * I + 3;  // rows of a wider tensor: gate | up | pad
+  std::vector<T> buf(size_t(rows) * stride), out(size_t(rows) * I);
+  for (auto& v : buf) v = cast_from_float<T>(4.f * n01(rng));
+  if (I > 2) buf[0] = cast_from_float<T>(-100.f), buf[1] = cast_from_float<T>(100.f);
+  dllm::cuda::launch_silu_mul<T>({.gate = buf.data(), .up = buf.data() + I, .out = out.data(),
+                                  .rows = rows, .I = I, .gate_stride = stride, .up_stride = stride},
+                                 nullptr);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < I; ++i) {
+      const double g = to_float(buf[size_t(r) * stride + i]);
+      const double u = to_float(buf[size_t(r) * stride + I + i]);
+      const double want = rounded<T>(rounded<T>(g / (1.0 + std::exp(-g))) * u);
+      expect_close(to_float(out[size_t(r) * I + i]), want, tol, name, r * I + i);
+    }
+}
+
+static void test_layer_family() {
+  for (int C : {1, 7, 128, 1000, 1027}) {
+    test_add_rms_norm<float>("add_rms_norm_<float>", 3, C, 1e-6f, 5e-6);
+    test_add_rms_norm<__nv_bfloat16>("add_rms_norm_<bf16>", 2, C, 1e-5f, 1e-2);
+    test_add_rms_norm<__half>("add_rms_norm_<half>", 2, C, 1e-5f, 2e-3);
+    test_add_rms_norm<float>("add_rms_norm_<float> small rows", 2, C, 1e-5f, 5e-6, 1e-3f);
+    test_add_rms_norm<__half>("add_rms_norm_<half> large rows", 2, C, 1e-5f, 2e-3, 30.f);
+  }
+  for (int I : {1, 5, 128, 2819}) {
+    test_silu_mul<float>("silu_mul<float>", 3, I, 1e-6);
+    test_silu_mul<__nv_bfloat16>("silu_mul<bf16>", 2, I, 1e-2);
+    test_silu_mul<__half>("silu_mul<half>", 2, I, 2e-3);
+  }
+}
+
 int main() {
+  test_layer_family();
   test_sparse_kv_family();
   test_quant_family_all();
   test_rollout_family();

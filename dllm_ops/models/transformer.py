@@ -87,7 +87,26 @@ class Block(nn.Module):
         self.up = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of ffn-normed rows ``h [..., C]`` (``step``'s; no autograd).
+
+        The token rows are zero-padded to a multiple of :data:`GEMM_ROW_TILE`
+        once for the three GEMMs (as :func:`token_linear` pads each: the
+        padding rows stay zeros through ``silu_mul``, so every GEMM sees the
+        matrix it saw padded on its own) and ``dllm.silu_mul`` fuses the
+        activation.
+        """
+        C = h.shape[-1]
+        rows = h.numel() // C
+        flat = h.reshape(rows, C)
+        pad = -rows % GEMM_ROW_TILE
+        if pad:
+            flat = F.pad(flat, (0, 0, 0, pad))
+        out = self.down(ops.silu_mul(self.gate(flat), self.up(flat)))
+        return (out[:rows] if pad else out).reshape(*h.shape[:-1], self.down.out_features)
+
+    def dense_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp(ffn_norm(x))`` in plain torch (the differentiable dense forward)."""
         h = self.ffn_norm(x)
         return token_linear(self.down, F.silu(token_linear(self.gate, h)) * token_linear(self.up, h))
 
@@ -150,7 +169,7 @@ class DiffusionLM(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                 enable_gqa=c.n_heads != c.n_kv_heads)
             h = h + layer.o(out.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
-            h = h + layer.mlp(h)
+            h = h + layer.dense_mlp(h)
         return self.lm_head(self.norm(h))
 
     @torch.no_grad()
@@ -197,14 +216,31 @@ class DiffusionLM(nn.Module):
 
     def run_layers(self, h: torch.Tensor, attention, timer=NO_TIMER, per_token=None) -> torch.Tensor:
         """Every layer over hidden states ``h``: ``h + attention(li, layer, attn_norm(h))``,
-        then ``h + mlp(h)``. ``per_token(fn, h)`` applies the token-wise parts (the
-        norm, the MLP); None applies them directly. The server's fused call passes
-        one that fails only the rows whose part raised."""
+        then ``h + mlp(ffn_norm(h))``; returns ``h``, updated in place.
+
+        Each residual add and the norm after it run as one ``dllm.add_rms_norm_``
+        (the ffn norm after the attention branch, the next layer's attention
+        norm after the MLP; the final norm runs on the logits rows only, in
+        :meth:`logits_at`), which overwrites the branch's output with the normed
+        rows: ``attention`` returns a tensor of its own. ``per_token(fn, h)``
+        applies the token-wise parts (the first norm, the MLP); None applies
+        them directly. The server's fused call passes one that fails only the
+        rows whose part raised (the fused add + norm has no per-row faults)."""
         apply = per_token if per_token is not None else _apply
+        a = None
         for li, layer in enumerate(self.layers):
             timer.start()
-            h = h + attention(li, layer, apply(layer.attn_norm, h))
-            h = h + apply(layer.mlp, h)
+            if a is None:
+                a = apply(layer.attn_norm, h)
+            branch = attention(li, layer, a)
+            ops.add_rms_norm_(branch, h, layer.ffn_norm.weight, layer.ffn_norm.eps)
+            out = apply(layer.mlp, branch)
+            if li + 1 < len(self.layers):
+                nxt = self.layers[li + 1].attn_norm
+                ops.add_rms_norm_(out, h, nxt.weight, nxt.eps)
+                a = out
+            else:
+                h += out
             timer.stop()
         return h
 
@@ -224,7 +260,7 @@ class DiffusionLM(nn.Module):
 
     def logits_at(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[B, P, V]`` of the rows ``rows [B, P]`` of ``h`` (−1: zeros)."""
-        return token_linear(self.lm_head, ops.gather_rows(self.norm(h), rows))
+        return token_linear(self.lm_head, self.norm(ops.gather_rows(h, rows)))
 
 
 @dataclass
