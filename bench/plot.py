@@ -177,6 +177,11 @@ def plot_accuracy_vs_recompute(rows, path, title):
         ax.set_xlabel("tokens run per call")
         ax.set_ylabel("exact match % (95% CI)")
         ax.grid(alpha=0.3)
+    return _legend_and_save(fig, title, path)
+
+
+def _legend_and_save(fig, title, path):
+    """One legend for every panel (each label once), the title, the PNG."""
     seen = {}
     for ax in fig.axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -204,15 +209,7 @@ def plot_dare_reuse(rows, path, title):
         ax.set_xlabel("activations reused %")
         ax.set_ylabel("exact match % (95% CI)")
         ax.grid(alpha=0.3)
-    seen = {}
-    for ax in fig.axes:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            seen.setdefault(lab, h)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center",
-               ncols=min(4, len(seen)), fontsize="small")
-    fig.suptitle(title)
-    fig.savefig(path)
-    return path
+    return _legend_and_save(fig, title, path)
 
 
 def _bars(path, title, labels, series, ylabel):

@@ -147,12 +147,8 @@ def test_quartiles_by_hand():
     assert quartiles(xs) == pytest.approx(tuple(np.percentile(xs, [25, 50, 75])), rel=1e-12)
 
 
-def test_interleaved_stats_reports_the_spread_of_the_samples(monkeypatch):
-    """On a fake clock: a function whose calls alternate between 1 and 3 ms has
-    median 2 ms and quartiles 1 and 3 ms; one that takes 2 ms every call has an
-    IQR of 0; interleaved_medians is the same measurement's medians."""
-    from bench import timing
-
+def fake_clock(monkeypatch, timing):
+    """bench.timing's clock replaced by one that moves only when told (``.now``)."""
     class Clock:
         now = 0.0
 
@@ -161,6 +157,16 @@ def test_interleaved_stats_reports_the_spread_of_the_samples(monkeypatch):
 
     clock = Clock()
     monkeypatch.setattr(timing, "time", clock)
+    return clock
+
+
+def test_interleaved_stats_reports_the_spread_of_the_samples(monkeypatch):
+    """On a fake clock: a function whose calls alternate between 1 and 3 ms has
+    median 2 ms and quartiles 1 and 3 ms; one that takes 2 ms every call has an
+    IQR of 0; interleaved_medians is the same measurement's medians."""
+    from bench import timing
+
+    clock = fake_clock(monkeypatch, timing)
     state = {"i": 0}
 
     def jumpy():
@@ -184,14 +190,7 @@ def test_interleaved_stats_reports_the_spread_of_the_samples(monkeypatch):
 def test_calls_per_sample_batches_short_calls(monkeypatch):
     from bench import timing
 
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self):
-            return self.now
-
-    clock = Clock()
-    monkeypatch.setattr(timing, "time", clock)
+    clock = fake_clock(monkeypatch, timing)
 
     def call(seconds):
         def fn():
