@@ -410,10 +410,15 @@ class DecodeConfig(_Section):
                 else:
                     raise _bad(f.name, v, f"a {sub.__name__} or an object of its fields")
         _bool("time_layers", self.time_layers)
-        if self.storage.packed and self.cache.method not in ("prefix", "dual"):
+        if self.storage.packed and self.cache.method not in ("prefix", "dual", "d2cache"):
             raise _bad("storage.method", self.storage.method,
                        f"'full' with cache.method {self.cache.method!r}: packed storage holds the "
-                       f"region a prefix or dual cache reuses")
+                       f"region a prefix, dual or d2cache cache reuses")
+        if self.storage.packed and self.cache.method == "d2cache" and self.reuse.method != "none":
+            raise _bad("reuse.method", self.reuse.method,
+                       "'none' with packed d2cache storage: a d2cache call re-packs the tokens it "
+                       "writes and reads them back with the same queries, which per-layer reuse "
+                       "would narrow")
 
 
 # ---- generate()'s keywords and text settings ----------------------------------------

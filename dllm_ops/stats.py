@@ -73,13 +73,17 @@ class DareStats(_Flat):
 class StorageStats(_Flat):
     """The packed storage of the reused region (dllm_ops/quant/storage.py):
     method and bits (``"kvq4"``), each layer's protection ``score:p``, the peak
-    packed bytes against the same region in the model's dtype, the work
-    buffer's bytes and the mean stored bits per K / V element."""
+    packed bytes against a bf16 cache of the canvas, the bytes each call after
+    a pack reads for attention (packed tensors + full-precision columns, mean
+    over those calls, summed over layers) against what attention over a bf16
+    cache of the canvas reads, and the mean stored bits per K / V element."""
     method: str = field(metadata={"key": "kv_quant"})
     layer_policy: list = field(metadata={"key": "kv_quant_policy"})
     cache_bytes: int | None = field(default=None, metadata={"key": "kv_cache_bytes"})
     cache_bytes_bf16: int | None = field(default=None, metadata={"key": "kv_cache_bytes_bf16"})
-    work_bytes: int | None = field(default=None, metadata={"key": "kv_work_bytes"})
+    read_bytes_per_call: float | None = field(default=None, metadata={"key": "kv_read_bytes_per_call"})
+    read_bytes_per_call_bf16: float | None = field(default=None,
+                                                   metadata={"key": "kv_read_bytes_per_call_bf16"})
     k_bits: float | None = None
     v_bits: float | None = None
 

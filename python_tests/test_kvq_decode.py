@@ -218,10 +218,17 @@ def test_cache_bytes_are_reported_and_smaller(llada):
     s2 = dllm_ops.generate(model, prompt, kv_quant=dict(bits=2, method="kivi"), **kw).stats
     s4 = dllm_ops.generate(model, prompt, kv_quant=dict(bits=4, method="kivi"), **kw).stats
     assert s2["kv_cache_bytes"] < s4["kv_cache_bytes"] < s4["kv_cache_bytes_bf16"]
-    # fp32 cache: scale and min per group of 32 cost 2 * 32 / 32 bits per element
-    assert s4["v_bits"] == 4 + 2 * 32 / 16  # V groups of min(32, head_dim=16) channels
-    # 4 + 2 * 32 / 32, plus the padded code slots of short last groups
-    assert 6.0 <= s4["k_bits"] < 8.0 and s2["k_bits"] < s4["k_bits"] - 1.9
+    # Bits per real element: per slot, fp32 scale and min per group cost 2 * 32 / 32
+    # (K, groups of 32 tokens) and 2 * 32 / 16 (V, groups of min(32, head_dim=16)
+    # channels), and the pad slots that start each segment on a K group boundary
+    # are stored too: block 1 packs the prefix [0, 96) (96 slots) and the suffix
+    # [104, 112) (32 slots), block 2 the prefix [0, 104) (128 slots): 208 real
+    # tokens in 256 slots.
+    pad = 256 / 208
+    assert s4["k_bits"] == pytest.approx((4 + 2) * pad) and s4["v_bits"] == pytest.approx((4 + 4) * pad)
+    assert s2["k_bits"] == pytest.approx((2 + 2) * pad) and s2["v_bits"] == pytest.approx((2 + 4) * pad)
+    # every call after a block start reads the packed region and the block's columns
+    assert s4["kv_read_bytes_per_call"] < s4["kv_read_bytes_per_call_bf16"]
 
 
 # ---- bad input -------------------------------------------------------------------

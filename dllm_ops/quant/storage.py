@@ -8,10 +8,13 @@ it holds.
 - :class:`FullStorage` (``storage.method = "full"``): the model's dtype,
   ``model.new_cache``.
 - :class:`PackedStorage` (``"kivi"`` / ``"kvq"``): Fast-dLLM's prefix/dual
-  reuse with the reused region packed in 2/4 bits (:class:`QuantKVCache`,
-  dllm_ops/quant/cache.py): KIVI protects no tokens; dLLM-KVQ protects, per
-  layer, the tokens its policy table (``python -m dllm_ops.calibrate``) names.
-  The block-start call packs the region the cache reuses during the block.
+  reuse, or d²Cache's, with the reused region packed in 2/4 bits
+  (:class:`QuantKVCache`, dllm_ops/quant/cache.py): KIVI protects no tokens;
+  dLLM-KVQ protects, per layer, the tokens its policy table (``python -m
+  dllm_ops.calibrate``; d²Cache reads the model's dual table) names. The
+  block-start call packs the region the cache reuses during the block
+  (d²Cache: the decode's first call packs the whole canvas, and every later
+  call re-packs the groups its recomputed tokens fall in).
 """
 from __future__ import annotations
 
@@ -65,16 +68,20 @@ def make_storage(model, storage: StorageConfig, cache_method: str) -> FullStorag
     (a kvq table is loaded and checked against the model, the cache and the bits)."""
     if not storage.packed:
         return FullStorage()
-    if cache_method not in ("prefix", "dual"):
+    if cache_method not in ("prefix", "dual", "d2cache"):
         raise DecodeError(f"storage.method {storage.method!r} packs the region a cache reuses: it "
-                          f"needs cache 'prefix' or 'dual', got {cache_method!r}")
+                          f"needs cache 'prefix', 'dual' or 'd2cache', got {cache_method!r}")
     n = model.config.n_layers
     if storage.method == "kivi":
         layers = [LayerPolicy("qerror", 0)] * n
     else:
         table = (PolicyTable.from_json(storage.table) if isinstance(storage.table, dict)
                  else PolicyTable.load(storage.table))
-        table.check(model, cache_method, storage.bits, storage.group)
+        # A d2cache decode reads a table calibrated for dual: the calibration decodes
+        # Fast-dLLM blocks over a packed reused region, the closest setting it has
+        # to d2cache's whole-canvas packed cache (README "Quantized d2cache").
+        table.check(model, "dual" if cache_method == "d2cache" else cache_method,
+                    storage.bits, storage.group)
         layers = list(table.layers)
     return PackedStorage(method=storage.method, bits=storage.bits, group=storage.group,
                          cache_method=cache_method, layers=layers)
