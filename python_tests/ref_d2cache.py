@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ref_kvq import importance_of, qdq_k, qdq_v
 from ref_model import dense_logits
 
 
@@ -83,7 +84,7 @@ def _stable_topk(score: list[float], k: int) -> list[int]:
 def ref_d2cache(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, block_length: int,
                 steps: int | None = None, unmask: str = "topk", threshold: float = 0.9,
                 decode_sigma: float | None = None, rollout_p: float = 0.1, current_k: int = 32,
-                sigma: float = 10.0) -> tuple[list[int], list[list[int]]]:
+                sigma: float = 10.0, kvq: dict | None = None) -> tuple[list[int], list[list[int]]]:
     """Greedy d²Cache decode of one prompt.
 
     Reveal rules as dllm_ops.generate runs them for this architecture:
@@ -94,6 +95,12 @@ def ref_d2cache(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, block
     that token is a candidate, else the best candidate). With
     ``decode_sigma`` the score of a candidate is its confidence × D(σ) of the
     region before the call's reveal (certainty-prior decoding).
+
+    ``kvq`` (``dict(bits=, group=, layers=[(score, p)] per layer, dtype=)``)
+    keeps the cache packed (:func:`pack_after_call`): after the first call every
+    K/V is replaced by its QDQ image, after each later call the K groups holding
+    a token the call ran are quantized again from the image with the new K
+    written in, and the run tokens' V by their QDQ.
 
     Returns the generated ids and, per call, the positions it ran.
     """
@@ -127,8 +134,11 @@ def ref_d2cache(ckpt, prompt: list[int], *, mask_id: int, gen_length: int, block
             runs.append(run)
             run_mask = torch.zeros(1, T, dtype=torch.bool)
             run_mask[0, run] = True
+            first = kv is None
             logits, kv, probs = dense_logits(ckpt, x, valid, run=None if kv is None else run_mask,
                                              kv=kv, return_kv=True, return_probs=True)
+            if kvq is not None:
+                kv = pack_after_call(kv, probs, run, first, s, e, **kvq)
             # Fresh predictions: masked j whose predicting position ran.
             fresh = {}
             for j in range(L, T):
@@ -178,3 +188,39 @@ def _select(masked, conf, importance, revealed, s, e, L, G, block_length, curren
     others = [j for j in range(T) if not masked[j] and j not in chosen]
     chosen |= set(nucleus(importance, others, rollout_p))
     return sorted(chosen)
+
+
+def pack_after_call(kv, probs, run: list[int], first: bool, s: int, e: int, *, bits: int,
+                    group: int, layers, dtype) -> list:
+    """The packed d²Cache's stored K/V after a call (one row, no padding, float64
+    images of ``dtype`` values; README "Quantized d2cache"):
+
+    - the first call: every token's QDQ; K groups of ``group`` tokens from
+      position 0, the layer's top-``p`` tokens of each group protected by
+      importance from the attention of the block ``[s, e)``'s queries;
+    - a later call: each K group holding a run token is quantized again from the
+      stored image with the run tokens' new K written in, importance from the
+      attention of the call's queries (mean over them; "product" normalised over
+      the group); the run tokens' V are replaced by their QDQ.
+    """
+    out = []
+    for li, (k, v) in enumerate(kv):                               # [1, T, H, d]
+        score, p = layers[li]
+        T, d = k.shape[1], k.shape[-1]
+        k2, v2 = k[0].clone(), v[0].clone()                        # [T, H, d]
+        rows = list(range(s, e)) if first else run
+        attn = probs[li][0, rows].mean(0)                          # [T]
+        if first:
+            spans = [(0, T)]          # one segment: "product" normalised over it
+            touched = range(T)
+        else:
+            spans = sorted({(j // group * group, min(T, j // group * group + group)) for j in run})
+            touched = run
+        for a, b in spans:
+            seg = k[0, a:b].transpose(0, 1)                        # [H, n, d]
+            imp = importance_of(score, seg, attn[a:b], bits, group, dtype) if p else None
+            k2[a:b] = qdq_k(seg, bits, group, p, imp, dtype).transpose(0, 1)
+        for j in touched:
+            v2[j] = qdq_v(v[0, j:j + 1].transpose(0, 1), bits, min(group, d), dtype)[:, 0]
+        out.append((k2[None], v2[None]))
+    return out

@@ -301,6 +301,8 @@ class QuantKVCache(KVCache):
         slots = pg[:, None] * G + torch.arange(G, device=pg.device)          # [n, G]
         cols = lay.column[pb[:, None], slots]
         valid = lay.valid[pb[:, None], slots]
+        # pads copy a real token of the new group before its quantization error is taken
+        k_sub = gather_slots(k_sub, pad_sources(valid, None, 0, G))
         pol = self.layer_policy[layer]
         imp = None
         if pol.p > 0:
