@@ -3,6 +3,7 @@
   python -m bench decode --model PATH|NAME [--caches none prefix dual] ...
   python -m bench decode --synthetic llada-8b --layers 4 --prompt-length 256 --gen-length 256
   python -m bench decode --synthetic llada-d1024-v32k --long-d2cache --prompt-length 128 --threads 2
+  python -m bench decode --synthetic llada-8b --caches dual d2cache --kv-quant kivi4 kivi2
   python -m bench decode --model tiny-llada --task all --n 500      (accuracy, bench/accuracy.py)
 
 For each cache mode: NFE, generated tokens/s, tokens recomputed (summed over
@@ -148,7 +149,8 @@ def cmd_decode(args) -> int:
                  run_per_call=s["tokens_recomputed"] / s["n_layers"] / s["nfe"],
                  select_share=policy.selection_s / wall if policy is not None else None,
                  block_length=config.shape.block_length,
-                 reuse=s.get("dare_reuse_share"), **_layer_latency(s))
+                 reuse=s.get("dare_reuse_share"), **_layer_latency(s),
+                 **kv_bytes_fields(model, config, s, len(prompts), args.prompt_length + args.gen_length))
         if first is None:
             first = r
         r["speedup_wall"] = first["wall_s"] / wall
@@ -237,7 +239,46 @@ def decode_configs(args, arch: str = "llada") -> list[tuple[str, object]]:
         unmask=args.unmask, threshold=args.threshold, stop_at_eos=False, seed=args.seed,
         max_blocks=args.max_blocks, time_layers=True,
         alg=("confidence_threshold" if args.unmask == "threshold" else "entropy") if arch == "dream" else None)
-    return mode_configs(args.caches, base, args.d2cache_block_length or args.gen_length)
+    configs = mode_configs(args.caches, base, args.d2cache_block_length or args.gen_length)
+    return configs + storage_configs(configs, getattr(args, "kv_quant", None) or [])
+
+
+KV_QUANT_SPECS = {"kivi4": ("kivi", 4), "kivi2": ("kivi", 2)}
+
+
+def storage_configs(configs, specs) -> list[tuple[str, object]]:
+    """For ``--kv-quant`` (``kivi4``, ``kivi2``): each mode that can pack its cache
+    (prefix, dual, d2cache; no DARE with d2cache) again with the packed storage,
+    labelled ``"<mode> <spec>"``."""
+    from dllm_ops.config import StorageConfig
+
+    out = []
+    for spec in specs:
+        if spec not in KV_QUANT_SPECS:
+            raise SystemExit(f"bench decode: --kv-quant {spec!r}: choose from {sorted(KV_QUANT_SPECS)}")
+        method, bits = KV_QUANT_SPECS[spec]
+        for mode, config in configs:
+            if config.cache.method in ("prefix", "dual") or (
+                    config.cache.method == "d2cache" and config.reuse.method == "none"):
+                out.append((f"{mode} {spec}", config.replace(storage=StorageConfig(method=method, bits=bits))))
+    return out
+
+
+def kv_bytes_fields(model, config, stats, batch: int, T: int) -> dict:
+    """Per sequence, the peak stored KV bytes, and per call the bytes attention
+    reads (every layer), with both against a bf16 cache of the canvas: a packed
+    row's figures come from its stats (dllm_ops.quant.cache); a full-precision
+    row stores and reads its whole ``[B, H_kv, T, d]`` cache every call."""
+    from dllm_ops.plan import KVCache
+
+    c = model.config
+    bf16 = KVCache.full_nbytes(c.n_layers, batch, c.n_kv_heads, T, c.head_dim, torch.bfloat16)
+    if config.storage.packed:
+        peak, read = stats["kv_cache_bytes"], stats["kv_read_bytes_per_call"]
+    else:
+        peak = read = KVCache.full_nbytes(c.n_layers, batch, c.n_kv_heads, T, c.head_dim, model.dtype)
+    return dict(kv_peak_bytes_per_seq=peak / batch, kv_peak_vs_bf16=peak / bf16,
+                kv_read_bytes_per_call=read, kv_read_vs_bf16=read / bf16)
 
 
 def mode_configs(modes, base, d2cache_block_length: int) -> list[tuple[str, object]]:
@@ -300,6 +341,10 @@ def _print_table(rows):
               f"{r['tokens_recomputed']:>11} {r['run_per_call']:>8.1f} {r['model_tflops']:>9.3f} "
               f"{r['speedup_wall']:>8.2f} {r['flops_ratio']:>8.2f} {sel:>7} {reuse:>7} {r['layer_ms']:>9.2f} "
               f"{lx:>8}  {r['layer_ms_per_layer']}")
+    print(f"\n{'cache':<{w}} {'KV peak/seq':>13} {'vs bf16':>8} {'read/call':>13} {'vs bf16':>8}")
+    for r in rows:
+        print(f"{r['cache']:<{w}} {r['kv_peak_bytes_per_seq']:>13,.0f} {r['kv_peak_vs_bf16']:>8.3f} "
+              f"{r['kv_read_bytes_per_call']:>13,.0f} {r['kv_read_vs_bf16']:>8.3f}")
 
 
 def _write_csv(path, rows):
@@ -352,5 +397,9 @@ def add_parser(sub) -> None:
                    help="untimed decode of each mode before its timed one: its first block (default), "
                         "the whole run, or none")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--kv-quant", nargs="+", metavar="SPEC",
+                   help="also run each prefix/dual/d2cache mode with the reused cache packed: "
+                        "kivi4, kivi2 (rows '<mode> <spec>'; KV peak bytes per sequence and "
+                        "bytes read per call against bf16 are printed for every row)")
     p.add_argument("--csv")
     p.set_defaults(func=cmd_decode)

@@ -40,7 +40,8 @@ ROWS = [("bf16", None, None), ("kivi", 4, None), ("kvq", 4, None), ("kivi", 2, N
 
 
 def policy_path(model_dir: str, cache: str, bits: int) -> str:
-    return os.path.join(model_dir, "kvq", f"{cache}-{bits}bit.json")
+    """The model's table for ``cache`` (d2cache reads the dual table: dllm_ops/quant/storage.py)."""
+    return os.path.join(model_dir, "kvq", f"{'dual' if cache == 'd2cache' else cache}-{bits}bit.json")
 
 
 def run_accuracy(model_name, tasks="all", n=500, caches=("prefix", "dual"), threshold=0.9, seed=0,
