@@ -238,12 +238,12 @@ def test_kv_budget_admits_more_quantized_sequences(llada):
     admitted = {}
     for name, cfg in configs.items():
         engine = Engine(llada, max_running=64, kv_budget=budget)
-        for _ in range(16):
+        for _ in range(48):
             engine.submit(Request(ids, cfg, 64), Events())
         engine.tick()
         admitted[name] = engine.metrics.value("dllm_running_sequences")
-        assert admitted[name] == budget // peak[name] == engine.kv_bytes_reserved // peak[name]
-        assert engine.metrics.value("dllm_queue_depth") == 16 - admitted[name]
+        assert admitted[name] == budget // peak[name] == engine.kv_bytes_reserved // peak[name] < 48
+        assert engine.metrics.value("dllm_queue_depth") == 48 - admitted[name]
         for _ in range(3):                         # what they hold stays within what was reserved
             engine.tick()
             assert 0 < engine.kv_bytes_in_use() <= engine.kv_bytes_reserved <= budget
@@ -251,9 +251,8 @@ def test_kv_budget_admits_more_quantized_sequences(llada):
 
 
 def test_packed_peak_bytes_bound_what_the_cache_holds(llada, monkeypatch):
-    """QuantKVCache.peak_nbytes is at least every size the cache reaches during a
-    decode (sampled at every attention, where a block start holds a full layer)
-    and exceeds the largest by at most the work buffer."""
+    """QuantKVCache.peak_nbytes is exactly the largest size the cache reaches during
+    a decode (sampled at every attention, where a block start holds a full layer)."""
     seen = []
     attend = QuantKVCache.attend
 
@@ -270,7 +269,7 @@ def test_packed_peak_bytes_bound_what_the_cache_holds(llada, monkeypatch):
         cache = seen[0][0]
         bound = cache.peak_nbytes(len(PROMPTS[6]), 8, 4)
         peak = max(n for _, n in seen)
-        assert peak <= bound <= peak + cache.work_bytes(), mode
+        assert peak == bound, mode      # the last layer's block-start write is the peak
 
 
 def test_a_request_larger_than_the_whole_budget_is_refused(llada):

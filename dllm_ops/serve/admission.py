@@ -11,8 +11,8 @@ refusal is a :class:`dllm_ops.errors.DllmOpsError` (the HTTP layer's 400).
 at any moment, from its own cache's layout: a full cache
 ``2 · layers · T · H_kv · d · itemsize`` for the whole decode; a packed 2/4-bit
 cache (KIVI / dLLM-KVQ) its packed region and full-precision columns, plus one
-full-precision layer while a block-start call writes it, plus its dequantization
-work buffer (``QuantKVCache.peak_nbytes``). Admission reserves this figure, so a
+full-precision layer while a block-start call writes it (``QuantKVCache.peak_nbytes``;
+attention reads the packed codes, so there is no dequantization buffer). Admission reserves this figure, so a
 running sequence never outgrows what was admitted, and a quantized cache admits
 more sequences under the same budget.
 """
