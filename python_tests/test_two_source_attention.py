@@ -247,7 +247,7 @@ def _bad(**over):
              v_full=torch.randn(B, H_kv, Tf, d, generator=g), full_valid=None, scale=0.25)
     a.update(over)
     return (a["q"], *_args(a["k"], a["v"]), a["packed_valid"], a["k_full"], a["v_full"],
-            a["full_valid"], a["scale"])
+            a["full_valid"], a["scale"], False)
 
 
 def _corrupt_prot():
