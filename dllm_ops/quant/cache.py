@@ -19,9 +19,9 @@ and keeps full precision only for the tokens the cache mode recomputes:
   the recomputed columns beside it and runs one exact softmax over their
   union (``dllm.sparse_attention``) -- attention over the dequantized cache
   by construction. The work buffer is one layer's worth, shared by all layers:
-  the stored cache is what shrinks; a fused kernel that merges a packed and a
-  full-precision softmax by log-sum-exp would also shrink the bytes each
-  attention call reads (not built: ``quant_attention`` returns no LSE).
+  the stored cache is what shrinks; ``dllm.two_source_attention`` (one
+  exact softmax over the packed codes and the full-precision columns) would
+  also shrink the bytes each attention call reads (not called here yet).
 
 Choices where the sources are silent (all documented in README.md):
 - Each reused segment (prefix, suffix) of each row is quantized on its own,
