@@ -299,6 +299,26 @@ def test_two_source_attention_split_kv_reports_corrupt_prot_idx(monkeypatch, bac
         f(*to(backend, q, *_args(pk._replace(prot_idx=idx), pv), None, kf, kf, None), 0.25, True)
 
 
+@pytest.mark.parametrize("return_probs", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_source_attention_reports_corrupt_prot_idx_of_a_row_without_keys(backend,
+                                                                            return_probs):
+    """Batch row 1 has no valid key (so nothing reads its K), yet its corrupt
+    prot_idx is reported, with and without probabilities."""
+    f = op(backend, "two_source_attention")
+    g = _gen(16)
+    pk, pv = _pack(g, 2, 2, 37, 16, 2, 4, 32, 16, 1, torch.float32)
+    idx = pk.prot_idx.clone()
+    idx[1, 0, 1, 0] = 9  # the last group holds 5 real tokens
+    q, kf = torch.randn(2, 2, 4, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)
+    pvalid = torch.ones(2, 37, dtype=torch.bool)
+    fvalid = torch.ones(2, 3, dtype=torch.bool)
+    pvalid[1], fvalid[1] = False, False
+    with pytest.raises(RuntimeError, match="dllm::two_source_attention: .*prot_idx is corrupt"):
+        f(*to(backend, q, *_args(pk._replace(prot_idx=idx), pv), pvalid, kf, kf, fvalid), 0.25,
+          return_probs)
+
+
 # ---- opcheck / fake / wrapper --------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

@@ -349,7 +349,19 @@ void packed_attention_kernel(const char* op, const QuantAttnShape& s, const Pack
 
   if (probs) {
     // Units as sparse_attention's (b, query tile, KV heads); each head's
-    // scratch is filled per tile (one tile at decode shapes).
+    // scratch is filled per tile (one tile at decode shapes). A batch row
+    // without any valid key fills none, so its prot_idx is checked here, as
+    // the path below (and the CUDA kernel) checks every row's.
+    const int64_t units = s.H_kv * s.k.n_groups;  // (head, group) units of a batch row
+    int st = 0;
+    for (int64_t b = 0; b < s.B; ++b) {
+      if (n_valid[b] != 0) continue;
+      for (int64_t u = b * units; u < (b + 1) * units; ++u)
+        if (!m::prot_group_valid(ps.kidx + u * s.k.p, static_cast<int>(s.k.p),
+                                 m::group_tokens(Tp, static_cast<int>(s.k.G), u % s.k.n_groups)))
+          st |= m::kQuantBadProtIdx;
+    }
+    status.add(st);
     cpu::attend_with_probs<T>(isa, a, n_valid, out, probs,
                               [&](cpu::AttnScratch<T>& w, int64_t b, int64_t kvh, int64_t q0,
                                   int64_t qn, float* acc, bool first_head) {
