@@ -49,6 +49,11 @@ TORCH_LIBRARY(dllm, m) {
         "Tensor k_prot_idx, Tensor k_prot_val, int k_bits, int k_group, Tensor v_codes, "
         "Tensor v_scale, Tensor v_min, int v_bits, int v_group, Tensor? key_valid, float scale) "
         "-> Tensor");
+  m.def("two_source_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_min, "
+        "Tensor k_prot_idx, Tensor k_prot_val, int k_bits, int k_group, Tensor v_codes, "
+        "Tensor v_scale, Tensor v_min, int v_bits, int v_group, Tensor? packed_valid, "
+        "Tensor k_full, Tensor v_full, Tensor? full_valid, float scale, bool return_probs=False) "
+        "-> (Tensor out, Tensor probs_mean)");
   // ---- family: layer --------------------------------------------------------
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");

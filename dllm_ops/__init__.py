@@ -21,7 +21,7 @@ from .ops import (certainty_density, drift_select, drift_select_threshold,  # no
 from .ops import nucleus_select, rollout_scores  # noqa: E402  (family: rollout)
 from .ops import gather_rows, rope_scatter_kv, scatter_rows, sparse_attention  # noqa: E402  (family: sparse_kv)
 from .ops import (dequantize_k, dequantize_v, k_quant_error, quant_attention,  # noqa: E402
-                  quantize_k, quantize_v)  # family: quant
+                  quantize_k, quantize_v, two_source_attention)  # family: quant
 from .ops import add_rms_norm_, silu_mul  # noqa: E402  (family: layer)
 from . import quant  # noqa: E402
 from . import rope  # noqa: E402
@@ -32,7 +32,7 @@ __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_s
 __all__ += ["rollout_scores", "nucleus_select"]
 __all__ += ["rope", "rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]
 __all__ += ["quant", "quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
-            "quant_attention"]
+            "quant_attention", "two_source_attention"]
 __all__ += ["add_rms_norm_", "silu_mul"]
 
 # The product: models, checkpoint loading and the decode loop.

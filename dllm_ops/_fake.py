@@ -165,6 +165,22 @@ def _quant_attention_fake(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_
     return q.new_empty(q.shape)
 
 
+
+@torch.library.register_fake("dllm::two_source_attention")
+def _two_source_attention_fake(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits,
+                               k_group, v_codes, v_scale, v_min, v_bits, v_group, packed_valid,
+                               k_full, v_full, full_valid, scale, return_probs=False):
+    torch._check(q.dim() == 4, lambda: "dllm::two_source_attention: q must have 4 dims")
+    torch._check(k_full.dim() == 4, lambda: "dllm::two_source_attention: k_full must have 4 dims")
+    torch._check(q.dtype == k_scale.dtype == v_scale.dtype == k_full.dtype == v_full.dtype,
+                 lambda: "dllm::two_source_attention: q, the packed caches and the full "
+                         "caches must share a dtype")
+    B, Q = q.shape[0], q.shape[1]
+    T = v_codes.shape[2] + k_full.shape[2]
+    probs = (q.new_empty((B, Q, T), dtype=torch.float32) if return_probs
+             else q.new_empty((0,), dtype=torch.float32))
+    return q.new_empty(q.shape), probs
+
 # ---- family: layer -------------------------------------------------------------
 
 @torch.library.register_fake("dllm::add_rms_norm_")

@@ -13,7 +13,7 @@ __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_s
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 __all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
-            "quant_attention"]  # family: quant
+            "quant_attention", "two_source_attention"]  # family: quant
 __all__ += ["add_rms_norm_", "silu_mul"]  # family: layer
 
 
@@ -539,6 +539,77 @@ def quant_attention(q: torch.Tensor, k: PackedK, v: PackedV, key_valid: torch.Te
     return torch.ops.dllm.quant_attention.default(
         q, *k.tensors(), k.bits, k.group, *v.tensors(), v.bits, v.group, key_valid, float(scale))
 
+
+
+def two_source_attention(q: torch.Tensor, k: PackedK, v: PackedV,
+                         packed_valid: torch.Tensor | None, k_full: torch.Tensor,
+                         v_full: torch.Tensor, full_valid: torch.Tensor | None, scale: float,
+                         return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One exact softmax attention over two key/value sources: a packed
+    2/4-bit cache and a full-precision one (e.g. the active block's columns).
+
+    This op exists so the decode loop reads the packed codes instead of
+    dequantizing the whole packed region into a ``[B, H_kv, T, d]`` work
+    buffer and copying the full columns beside it before one
+    ``sparse_attention``. It reads, per (batch row, KV head), the packed K
+    codes (``Tp * d * k.bits / 8`` bytes), the V codes (``Tp * d * v.bits /
+    8``), K's per-group scales and mins (``2 * ceil(Tp / k.group) * d``
+    values), V's per-token ones (``2 * Tp * d / v.group``), the protected
+    indices and values (``ceil(Tp / k.group) * p`` bytes and as many rows of
+    ``d`` values), plus the full columns ``k_full`` and ``v_full`` (``2 * Tf *
+    d`` values in q's dtype) and the masks.
+
+    Equals, with ``Tp = k.length`` and ``Tf = k_full.shape[2]``::
+
+        sparse_attention(q, cat([dequantize_k(k), k_full], 2),
+                         cat([dequantize_v(v), v_full], 2),
+                         cat([packed_valid, full_valid], 1), scale, return_probs)
+
+    (a None mask: every key of that source valid): keys ``0 .. Tp-1`` are the
+    packed tokens, ``Tp .. Tp+Tf-1`` the full ones. Dequantized values are
+    rounded to the cache dtype exactly as the dequantize ops produce them
+    (protected tokens from ``prot_val``); scores, softmax and output
+    accumulate in fp32. The CPU fills one KV head's scratch with its
+    dequantized packed tokens followed by its full columns and runs
+    ``sparse_attention``'s own tile over it, so there the equality is bit for
+    bit, probabilities included (``quant_attention`` is the ``Tf = 0``,
+    no-probabilities case of the same kernel). CUDA walks the concatenated
+    key axis tile by tile (packed tiles dequantized into shared memory, full
+    ones loaded), splits the keys by ``sparse_attention``'s occupancy rule
+    (chunks may straddle the two sources) and merges chunks by log-sum-exp;
+    probabilities are recomputed with the merged max and sum, as
+    ``sparse_attention`` does.
+
+    Args:
+        q: ``[B, Q, H, d]`` (RoPE-rotated) in the cache dtype; ``H`` a multiple
+            of ``H_kv`` (GQA). Non-contiguous tensors are accepted.
+        k, v: packed caches of the same ``B``, ``H_kv``, ``Tp = k.length`` and
+            ``d``; their bits and groups may differ. ``Tp`` may be 0 (the
+            packed layout allows an empty cache).
+        packed_valid: ``[B, Tp]`` bool or None.
+        k_full, v_full: ``[B, H_kv, Tf, d]`` in q's dtype; ``Tf`` may be 0,
+            but ``Tp + Tf`` must be > 0.
+        full_valid: ``[B, Tf]`` bool or None.
+        scale: score multiplier, usually ``d ** -0.5``.
+        return_probs: also return the head-averaged probabilities.
+
+    Returns:
+        ``(out, probs_mean)``: ``out [B, Q, H, d]`` in q's dtype (zeros for a
+        batch row with no valid key in either source); ``probs_mean [B, Q, Tp
+        + Tf]`` float32, averaged over the H heads, 0 on invalid keys (an
+        empty ``[0]`` tensor when ``return_probs`` is False).
+
+    Raises:
+        RuntimeError ``dllm::two_source_attention: ...`` for bad shapes,
+        dtypes, devices, bits / groups, a non-finite scale, and a corrupt
+        ``prot_idx`` (as ``quant_attention`` reports it).
+    """
+    if k.length != v.codes.shape[2]:
+        raise ValueError(f"two_source_attention: packed K holds {k.length} tokens but packed V "
+                         f"{v.codes.shape[2]}")
+    return torch.ops.dllm.two_source_attention.default(
+        q, *k.tensors(), k.bits, k.group, *v.tensors(), v.bits, v.group, packed_valid, k_full,
+        v_full, full_valid, float(scale), bool(return_probs))
 
 # ---- family: layer -------------------------------------------------------------
 # The fused epilogues of a pre-norm transformer layer. Their roundings are

@@ -15,7 +15,7 @@ __all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_s
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 __all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
-            "quant_attention"]  # family: quant
+            "quant_attention", "two_source_attention"]  # family: quant
 __all__ += ["add_rms_norm_", "silu_mul"]  # family: layer
 
 
@@ -439,6 +439,25 @@ def quant_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, 
     vc = dequantize_v(v_codes, v_scale, v_min, v_bits, v_group)
     return sparse_attention(q, kc, vc, key_valid, scale, False)[0]
 
+
+
+def two_source_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
+                         v_codes, v_scale, v_min, v_bits, v_group, packed_valid, k_full, v_full,
+                         full_valid, scale, return_probs=False):
+    """:func:`sparse_attention` (float64) over the dequantized packed cache
+    (keys ``0 .. Tp-1``) followed by the full-precision one (``Tp ..
+    Tp+Tf-1``), the masks concatenated (None: that source all valid)."""
+    Tp, Tf = v_codes.shape[2], k_full.shape[2]
+    B = q.shape[0]
+    kc = dequantize_k(k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group, Tp)
+    vc = dequantize_v(v_codes, v_scale, v_min, v_bits, v_group)
+    ones = lambda n: torch.ones(B, n, dtype=torch.bool, device=q.device)  # noqa: E731
+    valid = None
+    if packed_valid is not None or full_valid is not None:
+        valid = torch.cat([ones(Tp) if packed_valid is None else packed_valid,
+                           ones(Tf) if full_valid is None else full_valid], dim=1)
+    return sparse_attention(q, torch.cat([kc, k_full], dim=2), torch.cat([vc, v_full], dim=2),
+                            valid, scale, return_probs)
 
 # ---- family: layer -------------------------------------------------------------
 

@@ -69,7 +69,9 @@ def test_empty_shapes_fake_kernels_agree(B, Q):
     valid = torch.ones(B, T, dtype=torch.bool)
     pk, pv = dllm_ops.quantize_k(kc, 4, 8), dllm_ops.quantize_v(vc, 4, 8)
     calls = [(torch.ops.dllm.sparse_attention, (q, kc, vc, valid, 0.2, True)),
-             (torch.ops.dllm.quant_attention, (q, *pk.tensors(), 4, 8, *pv.tensors(), 4, 8, valid, 0.2))]
+             (torch.ops.dllm.quant_attention, (q, *pk.tensors(), 4, 8, *pv.tensors(), 4, 8, valid, 0.2)),
+             (torch.ops.dllm.two_source_attention, (q, *pk.tensors(), 4, 8, *pv.tensors(), 4, 8, valid,
+                                                    kc[:, :, :2], vc[:, :, :2], None, 0.2, True))]
     for f, args in calls:
         real = f(*args)
         with FakeTensorMode() as mode:
@@ -114,6 +116,8 @@ def _op_inputs():
         "dequantize_k": (*pk.tensors(), 4, 8, T),
         "dequantize_v": (*pv.tensors(), 4, 8),
         "quant_attention": (q, *pk.tensors(), 4, 8, *pv.tensors(), 4, 8, valid, 0.2),
+        "two_source_attention": (q, *pk.tensors(), 4, 8, *pv.tensors(), 4, 8, valid, kc[:, :, :3],
+                                 vc[:, :, :3], valid[:, :3], 0.2, True),
         "add_rms_norm_": (_rnd(g, B, 3, 8), _rnd(g, B, 3, 8), _rnd(g, 8), 1e-6),
         "silu_mul": (_rnd(g, B, 5), _rnd(g, B, 5)),
     }
@@ -145,3 +149,16 @@ def test_cross_device_is_an_error_cuda(name):
                  for i, a in enumerate(args)]
         with pytest.raises(RuntimeError, match=rf"dllm::{name}: .*(same device|CUDA tensor)"):
             getattr(torch.ops.dllm, name)(*moved)
+
+
+@pytest.mark.parametrize("B,Q", EMPTY, ids=lambda v: str(v))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_source_attention_empty(backend, B, Q):
+    g = torch.Generator().manual_seed(2)
+    q, kc, vc = _rnd(g, B, Q, H, D), _rnd(g, B, H_KV, T, D), _rnd(g, B, H_KV, T, D)
+    pk, pv = dllm_ops.quantize_k(kc, 4, 8), dllm_ops.quantize_v(vc, 4, 8)
+    out, probs = op(backend, "two_source_attention")(
+        *to(backend, q, *pk.tensors()), 4, 8, *to(backend, *pv.tensors()), 4, 8, None,
+        *to(backend, kc[:, :, :3], vc[:, :, :3]), None, 0.2, True)
+    assert out.shape == (B, Q, H, D) and out.dtype == q.dtype
+    assert probs.shape == (B, Q, T + 3) and probs.dtype == torch.float32

@@ -187,6 +187,22 @@ MUTATIONS = [
              (T_RULES + "test_quant_codes_are_zero_when_the_stored_scale_underflows_on_every_cpu_isa",),
              "codes are 0 when the stored scale is 0 (max == min, or an underflowing scale)",
              rebuild="quant"),
+    # -- two_source_attention (packed + full-precision keys, one softmax)
+    Mutation("two-source-full-keys-dropped-from-softmax",
+             "csrc/cuda/quant.cuh",
+             "lane < BK && t < t_end && two_source_valid(packed_valid, full, b, Tp, t);",
+             "lane < BK && t < t_end && t < Tp && two_source_valid(packed_valid, full, b, Tp, t);",
+             SIM, "two_source_attention: the full-precision keys join the one softmax", fast=True),
+    Mutation("two-source-full-mask-ignored",
+             "csrc/cuda/quant.cuh",
+             "return full.valid == nullptr || full.valid[b * full.Tf + (t - Tp)];",
+             "return true;",
+             SIM, "two_source_attention: full_valid masks the full-precision keys"),
+    Mutation("two-source-full-probs-not-written",
+             "csrc/cuda/quant.cuh",
+             "    return two_source_valid(packed_valid, full, b, Tp, t);",
+             "    return t < Tp && two_source_valid(packed_valid, full, b, Tp, t);",
+             SIM, "two_source_attention: the probabilities cover the full-precision keys too"),
 
     # -- layer (fused epilogues: add_rms_norm_, silu_mul)
     Mutation("layer-rms-eps-added-to-the-mean",
@@ -222,6 +238,32 @@ MUTATIONS = [
              "    inv = torch.rsqrt(rd.pow(2).mean(-1, keepdim=True)) + eps\n",
              ("python_tests/test_layer.py::test_add_rms_norm_matches_oracle[float32-cpu]",),
              "the add_rms_norm_ oracle adds eps inside the rsqrt (the op tests reach small rows)"),
+    Mutation("oracle-two-source-full-mask-ignored",
+             "dllm_ops/reference.py",
+             "ones(Tf) if full_valid is None else full_valid], dim=1)",
+             "ones(Tf)], dim=1)",
+             ("python_tests/test_two_source_attention.py::"
+              "test_two_source_attention_matches_sparse_attention_on_the_concatenation"
+              "[cpu-dtype0-False]",),
+             "the two_source_attention oracle concatenates full_valid after packed_valid"),
+    # ==== C++: rules the CPU quant kernels state themselves (rebuilt quant.cpp) ===
+    Mutation("two-source-cpu-full-mask-ignored",
+             "csrc/cpu/quant.cpp",
+             "full_valid.has_value() ? *full_valid : at::ones({s.B, t.Tf}, all)",
+             "at::ones({s.B, t.Tf}, all)",
+             ("python_tests/test_two_source_attention.py::"
+              "test_two_source_attention_matches_sparse_attention_on_the_concatenation"
+              "[cpu-dtype0-False]",),
+             "two_source_attention (CPU): the mask is packed_valid then full_valid",
+             rebuild="quant"),
+    Mutation("two-source-cpu-row-of-full-keys-only-is-empty",
+             "csrc/cpu/quant.cpp",
+             "(count_valid(packed_valid, s.B, s.T) + count_valid(full_valid, s.B, t.Tf))",
+             "count_valid(packed_valid, s.B, s.T)",
+             ("python_tests/test_two_source_attention.py::"
+              "test_two_source_attention_rows_without_a_valid_key[cpu-True]",),
+             "two_source_attention (CPU): a row is empty only without a valid key in both sources",
+             rebuild="quant"),
     # ==== C++: rules the CPU kernels state themselves (rebuilt select.cpp) ========
     Mutation("transfer-threshold-at-tau-cpu",
              "csrc/cpu/select.cpp",

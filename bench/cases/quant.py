@@ -9,6 +9,12 @@ tokens, groups of 32.
   sparse_attention over the unquantized bf16 cache in the same run. GB/s
   counts the bytes quant_attention reads and writes; the label gives both
   sides' bytes ("rd <quant> vs <bf16> MB": q, the caches, the output).
+- two_source_attention of a Q = 32 block over T keys: T - 32 packed plus the
+  32 full-precision columns of the active block, against what the decode loop
+  does without it ("deq_then_attend": dequantize_k + dequantize_v of the packed
+  region into a [B, H, T, d] buffer, the full columns copied beside them, one
+  sparse_attention), measured in the same run. GB/s counts the bytes
+  two_source_attention reads and writes.
 """
 import torch
 
@@ -197,3 +203,55 @@ for _kb, _vb in ((4, 4), (2, 2)):  # a long context: the bf16 cache no longer fi
     _attention_case(_kb, _vb, 0, T=4096)
 for _kb, _vb in ((4, 4), (2, 2)):  # as a decode calls it: another layer's cache each call
     _attention_layers_case(_kb, _vb)
+
+
+# ---- two_source_attention ------------------------------------------------------------------
+
+FULL_COLS = 32  # the active block's columns, kept in full precision
+
+
+def _two_source_inputs(k_bits, v_bits, T):
+    Tp = T - FULL_COLS
+
+    def make(device, dtype):
+        g = torch.Generator().manual_seed(4)
+        q = torch.randn(1, Q, H, D, generator=g).to(device=device, dtype=dtype)
+        pk = dllm_ops.quantize_k(_cache(device, dtype, 0, Tp), k_bits, G)
+        pv = dllm_ops.quantize_v(_cache(device, dtype, 1, Tp), v_bits, G)
+        k_full, v_full = _cache(device, dtype, 2, FULL_COLS), _cache(device, dtype, 3, FULL_COLS)
+        # the decode loop's work buffer, allocated once as it is there
+        work = torch.empty(2, 1, H, T, D, device=device, dtype=dtype)
+        return q, pk, pv, k_full, v_full, work
+    return make
+
+
+def _two_source(q, pk, pv, k_full, v_full, work):
+    return dllm_ops.two_source_attention(q, pk, pv, None, k_full, v_full, None, D ** -0.5)
+
+
+def _deq_then_attend(q, pk, pv, k_full, v_full, work):
+    Tp = pk.length
+    k, v = work[0], work[1]
+    k[:, :, :Tp] = dllm_ops.dequantize_k(pk)
+    v[:, :, :Tp] = dllm_ops.dequantize_v(pv)
+    k[:, :, Tp:] = k_full
+    v[:, :, Tp:] = v_full
+    return dllm_ops.sparse_attention(q, k, v, None, D ** -0.5, False)
+
+
+def _two_source_bytes(a):
+    q, pk, pv, k_full, v_full = a[:5]
+    return 2 * tensor_bytes(q) + tensor_bytes(*pk.tensors(), *pv.tensors(), k_full, v_full)
+
+
+def _two_source_case(k_bits, v_bits, T):
+    register(Case(op="two_source_attention",
+                  shape=f"Q{Q}/T{T} K{k_bits}V{v_bits} full{FULL_COLS}",
+                  make=_two_source_inputs(k_bits, v_bits, T), run=_two_source,
+                  baselines={"deq_then_attend": _deq_then_attend},
+                  nbytes=_two_source_bytes, dtypes=(torch.bfloat16,)))
+
+
+for _T in (T, 4096):
+    for _kb, _vb in ((4, 4), (2, 2)):
+        _two_source_case(_kb, _vb, _T)

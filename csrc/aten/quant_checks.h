@@ -276,14 +276,25 @@ struct QuantAttnShape {
   QuantVShape v;
 };
 
-// quant_attention(q [B, Q, H, d], packed K, packed V, key_valid [B, T], scale)
-inline QuantAttnShape check_quant_attention(
-    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+// A [B, n] Bool key mask on q's device, or none.
+inline void check_key_mask(const char* op, const std::optional<at::Tensor>& mask,
+                           const char* name, const char* dims, int64_t B, int64_t n,
+                           const at::Tensor& q) {
+  if (!mask.has_value()) return;
+  const at::Tensor& kv = *mask;
+  check_dtype(op, kv, name, at::kBool);
+  DLLM_CHECK(kv.dim() == 2 && kv.size(0) == B && kv.size(1) == n, op, name, " must be ", dims,
+             " = [", B, ", ", n, "], got ", kv.sizes());
+  check_same_device(op, q, "q", kv, name);
+}
+
+// q [B, Q, H, d] against a packed K / V pair (the part quant_attention and
+// two_source_attention share); the packed caches may hold T = 0 tokens here.
+inline QuantAttnShape check_packed_attention(
+    const char* op, const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
     const at::Tensor& k_min, const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
     int64_t k_bits, int64_t k_group, const at::Tensor& v_codes, const at::Tensor& v_scale,
-    const at::Tensor& v_min, int64_t v_bits, int64_t v_group,
-    const std::optional<at::Tensor>& key_valid, double scale) {
-  constexpr const char* op = "quant_attention";
+    const at::Tensor& v_min, int64_t v_bits, int64_t v_group, double scale) {
   check_dim(op, q, "q ([B, Q, H, d])", 4);
   check_floating(op, q, "q");
   QuantAttnShape s;
@@ -301,18 +312,65 @@ inline QuantAttnShape check_quant_attention(
              ") and packed V (", s.v.d, ") must match q's (", s.d, ")");
   DLLM_CHECK(s.H_kv > 0 && s.H % s.H_kv == 0, op, "H (", s.H, ") must be a multiple of H_kv (",
              s.H_kv, ")");
-  DLLM_CHECK(s.T > 0, op, "the cache must hold at least one key (T > 0)");
   DLLM_CHECK(std::isfinite(scale), op, "scale must be finite, got ", scale);
   check_same_device(op, q, "q", k_codes, "k_codes");
   check_same_device(op, q, "q", v_codes, "v_codes");
-  if (key_valid.has_value()) {
-    const at::Tensor& kv = *key_valid;
-    check_dtype(op, kv, "key_valid", at::kBool);
-    DLLM_CHECK(kv.dim() == 2 && kv.size(0) == s.B && kv.size(1) == s.T, op,
-               "key_valid must be [B, T] = [", s.B, ", ", s.T, "], got ", kv.sizes());
-    check_same_device(op, q, "q", kv, "key_valid");
-  }
   return s;
+}
+
+// quant_attention(q [B, Q, H, d], packed K, packed V, key_valid [B, T], scale)
+inline QuantAttnShape check_quant_attention(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const at::Tensor& k_min, const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
+    int64_t k_bits, int64_t k_group, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const at::Tensor& v_min, int64_t v_bits, int64_t v_group,
+    const std::optional<at::Tensor>& key_valid, double scale) {
+  constexpr const char* op = "quant_attention";
+  QuantAttnShape s = check_packed_attention(op, q, k_codes, k_scale, k_min, k_prot_idx,
+                                            k_prot_val, k_bits, k_group, v_codes, v_scale, v_min,
+                                            v_bits, v_group, scale);
+  DLLM_CHECK(s.T > 0, op, "the cache must hold at least one key (T > 0)");
+  check_key_mask(op, key_valid, "key_valid", "[B, T]", s.B, s.T, q);
+  return s;
+}
+
+// two_source_attention: the packed source (Tp = s.T tokens, may be 0) and the
+// full-precision one, k_full / v_full [B, H_kv, Tf, d] in q's dtype (Tf may be
+// 0); together at least one key.
+struct TwoSourceShape {
+  QuantAttnShape packed;  // .T = Tp
+  int64_t Tf = 0;
+  int64_t total() const { return packed.T + Tf; }
+};
+
+inline TwoSourceShape check_two_source_attention(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const at::Tensor& k_min, const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
+    int64_t k_bits, int64_t k_group, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const at::Tensor& v_min, int64_t v_bits, int64_t v_group,
+    const std::optional<at::Tensor>& packed_valid, const at::Tensor& k_full,
+    const at::Tensor& v_full, const std::optional<at::Tensor>& full_valid, double scale) {
+  constexpr const char* op = "two_source_attention";
+  TwoSourceShape t;
+  QuantAttnShape& s = t.packed;
+  s = check_packed_attention(op, q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits,
+                             k_group, v_codes, v_scale, v_min, v_bits, v_group, scale);
+  check_dim(op, k_full, "k_full ([B, H_kv, Tf, d])", 4);
+  check_dim(op, v_full, "v_full ([B, H_kv, Tf, d])", 4);
+  check_same_dtype(op, q, "q", k_full, "k_full");
+  check_same_dtype(op, q, "q", v_full, "v_full");
+  check_same_shape(op, k_full, "k_full", v_full, "v_full");
+  DLLM_CHECK(k_full.size(0) == s.B && k_full.size(1) == s.H_kv && k_full.size(3) == s.d, op,
+             "k_full must be [B, H_kv, Tf, d] = [", s.B, ", ", s.H_kv, ", Tf, ", s.d,
+             "] (q's batch and head_dim, the packed caches' heads), got ", k_full.sizes());
+  check_same_device(op, q, "q", k_full, "k_full");
+  check_same_device(op, q, "q", v_full, "v_full");
+  t.Tf = k_full.size(2);
+  DLLM_CHECK(t.total() > 0, op,
+             "the two sources must hold at least one key together (Tp + Tf > 0)");
+  check_key_mask(op, packed_valid, "packed_valid", "[B, Tp]", s.B, s.T, q);
+  check_key_mask(op, full_valid, "full_valid", "[B, Tf]", s.B, t.Tf, q);
+  return t;
 }
 
 // Fixed priority, so a tensor with several faults gets the same message on

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -74,6 +75,28 @@ template <typename T_>
 void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
                  const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
                  AttnScratch<T_>& w, float* probs_acc, bool first_head);
+
+// Runs attention with head-averaged probabilities (probs [B, Q, T], fp32)
+// over every (b, query tile, KV head): tile(w, b, kvh, q0, Qt, probs_acc,
+// first_head) runs one head's tile (attend_tile with probs_acc), and this
+// function sums the heads into probs and scales by 1 / H in a fixed order
+// that depends only on the shape and the thread count, so two callers over the
+// same keys get the same bits. Rows of a batch row without any valid key
+// (n_valid[b] == 0) get zero outputs and probabilities without a call.
+template <typename T_>
+using ProbsTileFn = std::function<void(AttnScratch<T_>& w, int64_t b, int64_t kvh, int64_t q0,
+                                       int64_t Qt, float* probs_acc, bool first_head)>;
+template <typename T_>
+void attend_with_probs(Isa isa, const AttnShape& s, const int64_t* n_valid, T_* out, float* probs,
+                       const ProbsTileFn<T_>& tile);
+extern template void attend_with_probs<float>(Isa, const AttnShape&, const int64_t*, float*,
+                                              float*, const ProbsTileFn<float>&);
+extern template void attend_with_probs<c10::Half>(Isa, const AttnShape&, const int64_t*,
+                                                  c10::Half*, float*,
+                                                  const ProbsTileFn<c10::Half>&);
+extern template void attend_with_probs<c10::BFloat16>(Isa, const AttnShape&, const int64_t*,
+                                                      c10::BFloat16*, float*,
+                                                      const ProbsTileFn<c10::BFloat16>&);
 
 // attend_tile's two halves, for a caller that produces V only after the
 // scores (quant_attention, which dequantizes V into the buffer K used):

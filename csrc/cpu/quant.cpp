@@ -285,31 +285,104 @@ at::Tensor dequantize_v_cpu(const at::Tensor& codes, const at::Tensor& scale, co
 }
 
 // ============================================================================
-// quant_attention
+// quant_attention, two_source_attention
 // ============================================================================
 //
-// Work unit: one batch row b and one KV head. Its K and V are dequantized
-// once into scratch of the cache dtype ([T, d] each: exactly the values
-// dequantize_k / dequantize_v return), then each query tile runs the
-// attention tile of sparse_attention over them (cpu/attention.h). So on the
-// CPU quant_attention equals sparse_attention on the dequantized cache, bit
-// for bit; what it saves is reading the full-width cache from memory (the
-// scratch of one unit stays in cache).
+// Work unit: one batch row b and one KV head. Its keys and values go once into
+// scratch of the cache dtype ([Tp + Tf, d] each): the Tp packed tokens
+// dequantized (exactly the values dequantize_k / dequantize_v return), then
+// two_source_attention's Tf full-precision columns copied beside them. Each
+// query tile then runs the attention tile of sparse_attention over them
+// (cpu/attention.h) with the two sources' masks concatenated. So on the CPU
+// both ops equal sparse_attention on the concatenated cache, bit for bit, and
+// with probabilities too (cpu::attend_with_probs sums the heads in
+// sparse_attention's order); what they save is reading a full-width copy of
+// the packed region from memory (the scratch of one unit stays in cache).
+// quant_attention is the Tf = 0, no-probabilities case.
+
+// The packed source (PackedK / PackedV tensors, contiguous), Tp = s.T tokens.
+template <typename T>
+struct PackedSource {
+  const uint8_t* kcodes;
+  const T *kscale, *kmin;
+  const uint8_t* kidx;
+  const T* kval;
+  const uint8_t* vcodes;
+  const T *vscale, *vmin;
+};
+
+// The full-precision source: K and V [B, H_kv, Tf, d] (contiguous), or Tf = 0.
+template <typename T>
+struct FullSource {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  int64_t Tf = 0;
+};
 
 template <typename T>
-void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* kcodes,
-                            const T* kscale, const T* kmin, const uint8_t* kidx, const T* kval,
-                            const uint8_t* vcodes, const T* vscale, const T* vmin,
-                            const bool* key_valid, const int64_t* n_valid, float scale, T* out,
-                            cpu::FaultBits& status) {
-  const cpu::Isa isa = cpu::active_isa("quant_attention");
-  const cpu::AttnShape a{s.B, s.Q, s.H, s.H_kv, s.H / s.H_kv, s.T, s.d};
-  const int64_t Qt = cpu::query_tile(a), Tn = s.T, d = s.d;
+void packed_attention_kernel(const char* op, const QuantAttnShape& s, const PackedSource<T>& ps,
+                             const FullSource<T>& fs, const T* q, const bool* key_valid,
+                             const int64_t* n_valid, float scale, T* out, float* probs,
+                             cpu::FaultBits& status) {
+  const cpu::Isa isa = cpu::active_isa(op);
+  const int64_t Tp = s.T, Tf = fs.Tf, Tn = Tp + Tf, d = s.d;
+  // key_valid: the concatenated mask [B, Tp + Tf], or null (every key valid)
+  const cpu::AttnShape a{s.B, s.Q, s.H, s.H_kv, s.H / s.H_kv, Tn, d};
+  const int64_t Qt = cpu::query_tile(a);
+  // Head bh's keys into k [Tn, d]: packed tokens, then full columns. Faults
+  // (corrupt prot_idx) go to st.
+  auto fill_k = [&](int64_t bh, T* k, int& st) {
+    for (int64_t g = 0; g < s.k.n_groups; ++g)
+      if (!dequant_k_group(isa, s.k, bh, g, ps.kcodes, ps.kscale, ps.kmin, ps.kidx, ps.kval,
+                           k + g * s.k.G * d))
+        st |= m::kQuantBadProtIdx;
+    if (Tf > 0) std::copy_n(fs.k + bh * Tf * d, Tf * d, k + Tp * d);
+  };
+  auto fill_v = [&](int64_t bh, T* v) {
+    const int64_t row0 = bh * Tp;
+    if (Tp > 0)
+      DLLM_ISA_CALL(isa, dequant_v_rows(s.v, ps.vcodes + row0 * s.v.row_bytes,
+                                        ps.vscale + row0 * s.v.n_groups,
+                                        ps.vmin + row0 * s.v.n_groups, v, Tp));
+    if (Tf > 0) std::copy_n(fs.v + bh * Tf * d, Tf * d, v + Tp * d);
+  };
+
+  if (probs) {
+    // Units as sparse_attention's (b, query tile, KV heads); each head's
+    // scratch is filled per tile (one tile at decode shapes). A batch row
+    // without any valid key fills none, so its prot_idx is checked here, as
+    // the path below (and the CUDA kernel) checks every row's.
+    const int64_t units = s.H_kv * s.k.n_groups;  // (head, group) units of a batch row
+    int st = 0;
+    for (int64_t b = 0; b < s.B; ++b) {
+      if (n_valid[b] != 0) continue;
+      for (int64_t u = b * units; u < (b + 1) * units; ++u)
+        if (!m::prot_group_valid(ps.kidx + u * s.k.p, static_cast<int>(s.k.p),
+                                 m::group_tokens(Tp, static_cast<int>(s.k.G), u % s.k.n_groups)))
+          st |= m::kQuantBadProtIdx;
+    }
+    status.add(st);
+    cpu::attend_with_probs<T>(isa, a, n_valid, out, probs,
+                              [&](cpu::AttnScratch<T>& w, int64_t b, int64_t kvh, int64_t q0,
+                                  int64_t qn, float* acc, bool first_head) {
+      const int64_t bh = b * s.H_kv + kvh;
+      const cpu::ThreadScratch<T> kv(2 * Tn * d);
+      T *k = kv.get(), *v = k + Tn * d;
+      int st = 0;
+      fill_k(bh, k, st);
+      fill_v(bh, v);
+      status.add(st);
+      cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k, v, key_valid ? key_valid + b * Tn : nullptr,
+                       scale, out, w, acc, first_head);
+    });
+    return;
+  }
+
   at::parallel_for(0, s.B * s.H_kv, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
-    // Dequantized K and V of one head, in the thread's kept scratch: a
-    // decode's calls do not page-fault fresh memory in every time. With a
-    // single query tile V is dequantized after the scores, into K's buffer
-    // (half the scratch: at T = 4096 one head's K and V would fill L2).
+    // K and V of one head, in the thread's kept scratch: a decode's calls do
+    // not page-fault fresh memory in every time. With a single query tile V is
+    // filled after the scores, into K's buffer (half the scratch: at T = 4096
+    // one head's K and V would fill L2).
     const bool one_tile = s.Q <= Qt;
     const cpu::ThreadScratch<T> kv((one_tile ? 1 : 2) * Tn * d);
     T* k = kv.get();
@@ -318,17 +391,8 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
     int st = 0;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H_kv, kvh = bh % s.H_kv;
-      for (int64_t g = 0; g < s.k.n_groups; ++g)
-        if (!dequant_k_group(isa, s.k, bh, g, kcodes, kscale, kmin, kidx, kval,
-                             k + g * s.k.G * d))
-          st |= m::kQuantBadProtIdx;
-      const int64_t row0 = bh * Tn;
-      auto dequant_v = [&] {
-        DLLM_ISA_CALL(isa, dequant_v_rows(s.v, vcodes + row0 * s.v.row_bytes,
-                                          vscale + row0 * s.v.n_groups,
-                                          vmin + row0 * s.v.n_groups, v, Tn));
-      };
-      if (!one_tile) dequant_v();
+      fill_k(bh, k, st);
+      if (!one_tile) fill_v(bh, v);
       const bool* valid = key_valid ? key_valid + b * Tn : nullptr;
       for (int64_t q0 = 0; q0 < s.Q; q0 += Qt) {
         const int64_t qn = std::min(Qt, s.Q - q0);
@@ -340,7 +404,7 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
         if (one_tile) {
           const T* p = cpu::attend_scores(isa, a, b, kvh, q0, qn, q, k, valid, scale, w,
                                           nullptr, false);
-          dequant_v();
+          fill_v(bh, v);
           cpu::attend_values(isa, a, b, kvh, q0, qn, p, v, out, w);
         } else {
           cpu::attend_tile(isa, a, b, kvh, q0, qn, q, k, v, valid, scale, out, w, nullptr,
@@ -350,6 +414,29 @@ void quant_attention_kernel(const QuantAttnShape& s, const T* q, const uint8_t* 
     }
     status.add(st);
   });
+}
+
+// The packed tensors, contiguous, and the kernel's view of them.
+struct PackedInputs {
+  at::Tensor kc, ks, km, ki, kv, vc, vs, vm;
+  PackedInputs(const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_min,
+               const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
+               const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_min)
+      : kc(k_codes.contiguous()), ks(k_scale.contiguous()), km(k_min.contiguous()),
+        ki(k_prot_idx.contiguous()), kv(k_prot_val.contiguous()), vc(v_codes.contiguous()),
+        vs(v_scale.contiguous()), vm(v_min.contiguous()) {}
+  template <typename T>
+  PackedSource<T> view() const {
+    return {kc.const_data_ptr<uint8_t>(), ks.const_data_ptr<T>(), km.const_data_ptr<T>(),
+            ki.const_data_ptr<uint8_t>(), kv.const_data_ptr<T>(), vc.const_data_ptr<uint8_t>(),
+            vs.const_data_ptr<T>(),       vm.const_data_ptr<T>()};
+  }
+};
+
+// Valid keys per batch row ([B] int64) of a [B, n] mask, or n when there is none.
+at::Tensor count_valid(const std::optional<at::Tensor>& mask, int64_t B, int64_t n) {
+  if (mask.has_value()) return mask->sum(1).to(at::kLong);
+  return at::full({B}, n, at::kLong);
 }
 
 at::Tensor quant_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes,
@@ -364,31 +451,66 @@ at::Tensor quant_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes,
       check_quant_attention(q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group,
                             v_codes, v_scale, v_min, v_bits, v_group, key_valid, scale);
   const auto qc = q.contiguous();
-  const auto kcc = k_codes.contiguous(), ksc = k_scale.contiguous(), kmc = k_min.contiguous();
-  const auto kic = k_prot_idx.contiguous(), kvc = k_prot_val.contiguous();
-  const auto vcc = v_codes.contiguous(), vsc = v_scale.contiguous(), vmc = v_min.contiguous();
+  const PackedInputs pi(k_codes, k_scale, k_min, k_prot_idx, k_prot_val, v_codes, v_scale, v_min);
   auto out = at::empty({s.B, s.Q, s.H, s.d}, q.options());
   if (s.B == 0 || s.Q == 0 || s.H == 0) return out;
-  at::Tensor valid_c, n_valid;
-  if (key_valid.has_value()) {
-    valid_c = key_valid->contiguous();
-    n_valid = valid_c.sum(1).to(at::kLong).contiguous();
-  } else {
-    n_valid = at::full({s.B}, s.T, at::kLong);
-  }
+  at::Tensor valid_c;
+  if (key_valid.has_value()) valid_c = key_valid->contiguous();
+  const at::Tensor n_valid = count_valid(key_valid, s.B, s.T).contiguous();
   cpu::FaultBits status;
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::quant_attention", [&] {
-    quant_attention_kernel<scalar_t>(
-        s, qc.const_data_ptr<scalar_t>(), kcc.const_data_ptr<uint8_t>(),
-        ksc.const_data_ptr<scalar_t>(), kmc.const_data_ptr<scalar_t>(),
-        kic.const_data_ptr<uint8_t>(), kvc.const_data_ptr<scalar_t>(),
-        vcc.const_data_ptr<uint8_t>(), vsc.const_data_ptr<scalar_t>(),
-        vmc.const_data_ptr<scalar_t>(), valid_c.defined() ? valid_c.const_data_ptr<bool>() : nullptr,
+    packed_attention_kernel<scalar_t>(
+        op, s, pi.view<scalar_t>(), FullSource<scalar_t>{}, qc.const_data_ptr<scalar_t>(),
+        valid_c.defined() ? valid_c.const_data_ptr<bool>() : nullptr,
         n_valid.const_data_ptr<int64_t>(), static_cast<float>(scale),
-        out.mutable_data_ptr<scalar_t>(), status);
+        out.mutable_data_ptr<scalar_t>(), nullptr, status);
   });
   raise_quant_status(op, status.get());
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> two_source_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const at::Tensor& k_min, const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
+    int64_t k_bits, int64_t k_group, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const at::Tensor& v_min, int64_t v_bits, int64_t v_group,
+    const std::optional<at::Tensor>& packed_valid, const at::Tensor& k_full,
+    const at::Tensor& v_full, const std::optional<at::Tensor>& full_valid, double scale,
+    bool return_probs) {
+  constexpr const char* op = "two_source_attention";
+  const TwoSourceShape t = check_two_source_attention(
+      q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group, v_codes, v_scale,
+      v_min, v_bits, v_group, packed_valid, k_full, v_full, full_valid, scale);
+  const QuantAttnShape& s = t.packed;
+  const auto qc = q.contiguous(), kfc = k_full.contiguous(), vfc = v_full.contiguous();
+  const PackedInputs pi(k_codes, k_scale, k_min, k_prot_idx, k_prot_val, v_codes, v_scale, v_min);
+  const auto f32 = q.options().dtype(at::kFloat);
+  auto out = at::empty({s.B, s.Q, s.H, s.d}, q.options());
+  auto probs = return_probs ? at::empty({s.B, s.Q, t.total()}, f32) : at::empty({0}, f32);
+  if (s.B == 0 || s.Q == 0 || s.H == 0) return {out, probs};
+  // One [B, Tp + Tf] mask when either source has one (B * T bytes).
+  at::Tensor valid_c;
+  if (packed_valid.has_value() || full_valid.has_value()) {
+    const auto all = q.options().dtype(at::kBool);
+    valid_c = at::cat({packed_valid.has_value() ? *packed_valid : at::ones({s.B, s.T}, all),
+                       full_valid.has_value() ? *full_valid : at::ones({s.B, t.Tf}, all)},
+                      1)
+                  .contiguous();
+  }
+  const at::Tensor n_valid =
+      (count_valid(packed_valid, s.B, s.T) + count_valid(full_valid, s.B, t.Tf)).contiguous();
+  cpu::FaultBits status;
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::two_source_attention", [&] {
+    packed_attention_kernel<scalar_t>(
+        op, s, pi.view<scalar_t>(),
+        FullSource<scalar_t>{kfc.const_data_ptr<scalar_t>(), vfc.const_data_ptr<scalar_t>(), t.Tf},
+        qc.const_data_ptr<scalar_t>(), valid_c.defined() ? valid_c.const_data_ptr<bool>() : nullptr,
+        n_valid.const_data_ptr<int64_t>(), static_cast<float>(scale),
+        out.mutable_data_ptr<scalar_t>(), return_probs ? probs.mutable_data_ptr<float>() : nullptr,
+        status);
+  });
+  raise_quant_status(op, status.get());
+  return {out, probs};
 }
 
 }  // namespace
@@ -400,6 +522,7 @@ TORCH_LIBRARY_IMPL(dllm, CPU, m) {
   m.impl("quantize_v", &quantize_v_cpu);
   m.impl("dequantize_v", &dequantize_v_cpu);
   m.impl("quant_attention", &quant_attention_cpu);
+  m.impl("two_source_attention", &two_source_attention_cpu);
 }
 
 }  // namespace dllm

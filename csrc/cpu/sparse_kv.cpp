@@ -254,6 +254,70 @@ int64_t query_tile(const AttnShape& s) {
   return std::min(qt, s.Q);
 }
 
+template <typename T_>
+void attend_with_probs(Isa isa, const AttnShape& s, const int64_t* n_valid, T_* out, float* probs,
+                       const ProbsTileFn<T_>& tile) {
+  const int64_t Qt = query_tile(s);
+  const int64_t n_tiles = (s.Q + Qt - 1) / Qt;
+  const int64_t M = Qt * s.G;
+  const float inv_h = 1.f / static_cast<float>(s.H);
+  auto tile_rows = [&](int64_t t) { return std::min(Qt, s.Q - t * Qt); };
+  // The heads of one query row must be summed: a unit is (b, tile, group of
+  // KV heads) and loops over its heads. KV heads are split into n_groups only
+  // when (b, tile) alone would leave threads idle; each group then sums into
+  // its own slice of `partial`, reduced afterwards.
+  const int64_t units_bt = s.B * n_tiles;
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t n_groups = std::min(s.H_kv, std::max<int64_t>(1, (want + units_bt - 1) / units_bt));
+  const int64_t heads_per_group = (s.H_kv + n_groups - 1) / n_groups;
+  at::Tensor partial;
+  float* part = nullptr;
+  const int64_t part_stride = s.B * s.Q * s.T;
+  if (n_groups > 1) {
+    partial = at::empty({n_groups, s.B, s.Q, s.T}, at::kFloat);
+    part = partial.data_ptr<float>();
+  }
+  at::parallel_for(0, units_bt * n_groups, kGrainOneUnit, [&](int64_t begin, int64_t end) {
+    AttnScratch<T_> w(M, s.T, s.d, /*with_probs=*/true);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t grp = u % n_groups, t = (u / n_groups) % n_tiles, b = u / (n_groups * n_tiles);
+      const int64_t q0 = t * Qt, Qt_ = tile_rows(t);
+      const int64_t h0 = grp * heads_per_group, h1 = std::min(s.H_kv, h0 + heads_per_group);
+      float* acc = (n_groups > 1 ? part + grp * part_stride : probs) + (b * s.Q + q0) * s.T;
+      if (n_valid[b] == 0) {
+        // No valid key in this batch row: outputs and probabilities are zeros.
+        if (grp == 0) {
+          std::fill_n(out + (b * s.Q + q0) * s.H * s.d, Qt_ * s.H * s.d, T_(0));
+          std::fill_n(probs + (b * s.Q + q0) * s.T, Qt_ * s.T, 0.f);
+        }
+        if (n_groups > 1) std::fill_n(acc, Qt_ * s.T, 0.f);
+        continue;
+      }
+      if (h0 >= h1) {  // an empty trailing group still owns a zero slice
+        std::fill_n(acc, Qt_ * s.T, 0.f);
+        continue;
+      }
+      for (int64_t kvh = h0; kvh < h1; ++kvh) tile(w, b, kvh, q0, Qt_, acc, kvh == h0);
+      if (n_groups == 1) DLLM_ISA_CALL(isa, scale_rows(acc, Qt_ * s.T, inv_h));
+    }
+  });
+  if (n_groups > 1) {
+    at::parallel_for(0, s.B * s.Q, kGrainOneUnit, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row)
+        DLLM_ISA_CALL(isa, sum_parts(part + row * s.T, n_groups, part_stride, s.T, inv_h,
+                                     probs + row * s.T));
+    });
+  }
+}
+
+template void attend_with_probs<float>(Isa, const AttnShape&, const int64_t*, float*, float*,
+                                       const ProbsTileFn<float>&);
+template void attend_with_probs<c10::Half>(Isa, const AttnShape&, const int64_t*, c10::Half*,
+                                           float*, const ProbsTileFn<c10::Half>&);
+template void attend_with_probs<c10::BFloat16>(Isa, const AttnShape&, const int64_t*,
+                                               c10::BFloat16*, float*,
+                                               const ProbsTileFn<c10::BFloat16>&);
+
 #define DLLM_ATTEND_PHASES(T_)                                                                \
   template const T_* attend_scores<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t, \
                                        const T_*, const T_*, const bool*, float,                 \
@@ -291,19 +355,17 @@ void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, cons
   const int64_t Qt = cpu::query_tile(s);
   const int64_t n_tiles = (s.Q + Qt - 1) / Qt;
   const int64_t M = Qt * s.G;
-  const float inv_h = 1.f / static_cast<float>(s.H);
   auto tile_rows = [&](int64_t tile) { return std::min(Qt, s.Q - tile * Qt); };
   auto zero_batch = [&](int64_t b, int64_t q0, int64_t Qt_) {
-    // No valid key in this batch row: outputs and probabilities are zeros.
+    // No valid key in this batch row: outputs are zeros.
     std::fill_n(out + (b * s.Q + q0) * s.H * s.d, Qt_ * s.H * s.d, T_(0));
-    if (probs) std::fill_n(probs + (b * s.Q + q0) * s.T, Qt_ * s.T, 0.f);
   };
 
   if (!probs) {
     // Independent units over (b, kv head, tile).
     at::parallel_for(0, s.B * s.H_kv * n_tiles, cpu::kGrainOneUnit,
                      [&](int64_t begin, int64_t end) {
-      AttnScratch<T_> w(M, s.T, s.d, probs != nullptr);
+      AttnScratch<T_> w(M, s.T, s.d, /*with_probs=*/false);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t tile = u % n_tiles, kvh = (u / n_tiles) % s.H_kv, b = u / (n_tiles * s.H_kv);
         const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
@@ -319,52 +381,13 @@ void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, cons
     return;
   }
 
-  // With probabilities, the heads of one query row must be summed: a unit is
-  // (b, tile, group of KV heads) and loops over its heads. KV heads are split
-  // into n_groups only when (b, tile) alone would leave threads idle; each
-  // group then sums into its own slice of `partial`, reduced afterwards.
-  const int64_t units_bt = s.B * n_tiles;
-  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t n_groups = std::min(s.H_kv, std::max<int64_t>(1, (want + units_bt - 1) / units_bt));
-  const int64_t heads_per_group = (s.H_kv + n_groups - 1) / n_groups;
-  at::Tensor partial;
-  float* part = nullptr;
-  const int64_t part_stride = s.B * s.Q * s.T;
-  if (n_groups > 1) {
-    partial = at::empty({n_groups, s.B, s.Q, s.T}, at::kFloat);
-    part = partial.data_ptr<float>();
-  }
-  at::parallel_for(0, units_bt * n_groups, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
-    AttnScratch<T_> w(M, s.T, s.d, probs != nullptr);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t grp = u % n_groups, tile = (u / n_groups) % n_tiles, b = u / (n_groups * n_tiles);
-      const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
-      const int64_t h0 = grp * heads_per_group, h1 = std::min(s.H_kv, h0 + heads_per_group);
-      float* acc = (n_groups > 1 ? part + grp * part_stride : probs) + (b * s.Q + q0) * s.T;
-      if (n_valid[b] == 0) {
-        if (grp == 0) zero_batch(b, q0, Qt_);
-        if (n_groups > 1) std::fill_n(acc, Qt_ * s.T, 0.f);
-        continue;
-      }
-      if (h0 >= h1) {  // an empty trailing group still owns a zero slice
-        std::fill_n(acc, Qt_ * s.T, 0.f);
-        continue;
-      }
-      const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
-      for (int64_t kvh = h0; kvh < h1; ++kvh)
-        cpu::attend_tile(isa, s, b, kvh, q0, Qt_, q, kc + (b * s.H_kv + kvh) * s.T * s.d,
-                         vc + (b * s.H_kv + kvh) * s.T * s.d, valid, scale, out, w, acc,
-                         kvh == h0);
-      if (n_groups == 1) DLLM_ISA_CALL(isa, scale_rows(acc, Qt_ * s.T, inv_h));
-    }
+  cpu::attend_with_probs<T_>(isa, s, n_valid, out, probs,
+                             [&](AttnScratch<T_>& w, int64_t b, int64_t kvh, int64_t q0,
+                                 int64_t Qt_, float* acc, bool first_head) {
+    const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
+    cpu::attend_tile(isa, s, b, kvh, q0, Qt_, q, kc + (b * s.H_kv + kvh) * s.T * s.d,
+                     vc + (b * s.H_kv + kvh) * s.T * s.d, valid, scale, out, w, acc, first_head);
   });
-  if (n_groups > 1) {
-    at::parallel_for(0, s.B * s.Q, cpu::kGrainOneUnit, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row)
-        DLLM_ISA_CALL(isa, sum_parts(part + row * s.T, n_groups, part_stride, s.T, inv_h,
-                                     probs + row * s.T));
-    });
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q,

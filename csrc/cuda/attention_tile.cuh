@@ -298,6 +298,75 @@ struct WarpRows {
   }
 };
 
+// ---- head-averaged probabilities ------------------------------------------------
+// Second pass: a block owns 4 queries x 32 keys of one batch row (warp =
+// query, lane = key) and sums, over every head, exp(s - m) / l with the final
+// per-(query, head) state (m, l) of the first pass (stored by its one-pass
+// blocks, or by the combine when the keys were split). Scores are recomputed
+// with score_dot over the same fp32 key values the first pass used, so they
+// are bit-identical. Each output is written by exactly one thread, so no
+// atomics are needed. Keys: where the keys come from (sparse_attention's
+// dense cache, two_source_attention's packed + full sources):
+//   float key(b, kvh, t, i): element i of key t of KV head kvh, widened
+//   bool valid(b, t): key t (< T_len) takes part in the softmax
+constexpr int kProbQueries = kAttnWarps;
+constexpr int kProbKeys = kWarp;
+
+template <typename T, int DCH, typename Keys>
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_probs_kernel(const T* __restrict__ q, Keys keys, const float* __restrict__ stats,
+                           float scale, float* __restrict__ probs, int Q, int H, int H_kv,
+                           int T_len, int d) {
+  constexpr int DM = DCH * kWarp;
+  __shared__ float qs[kProbQueries][DM];
+  __shared__ float ks[kProbKeys][DM + 1];
+  const int G = H / H_kv;
+  const int64_t b = blockIdx.z;
+  const int t0 = blockIdx.x * kProbKeys, q0 = blockIdx.y * kProbQueries;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t = t0 + lane;
+  const int qi = q0 + warp;
+  const bool key_ok = t < T_len && keys.valid(b, t);
+  float acc = 0.f;
+  for (int kvh = 0; kvh < H_kv; ++kvh) {
+    for (int g = 0; g < G; ++g) {
+      const int h = kvh * G + g;
+      __syncthreads();  // the previous head's rows (and key tile) are consumed
+      if (g == 0) {
+        for (int e = threadIdx.x; e < kProbKeys * d; e += blockDim.x) {
+          const int kk = e / d, i = e % d;
+          const int64_t tt = t0 + kk;
+          ks[kk][i] = tt < T_len ? keys.key(b, kvh, tt, i) : 0.f;
+        }
+      }
+      for (int e = threadIdx.x; e < kProbQueries * d; e += blockDim.x) {
+        const int w = e / d, i = e % d, qq = q0 + w;
+        qs[w][i] = qq < Q ? to_float(q[((b * Q + qq) * H + h) * d + i]) : 0.f;
+      }
+      __syncthreads();
+      if (qi < Q && key_ok) {
+        const int64_t o = (b * Q + qi) * H + h;
+        const float s = score_dot(qs[warp], ks[lane], d, scale);
+        acc += math::softmax_weight(s, stats[o * 2]) * math::softmax_inv_sum(stats[o * 2 + 1]);
+      }
+    }
+  }
+  if (qi < Q && t < T_len) probs[(b * Q + qi) * T_len + t] = key_ok ? acc / H : 0.f;
+}
+
+// The probabilities pass over keys [0, T_len) (probs [B, Q, T_len]).
+template <typename T, int DCH, typename Keys>
+void launch_attention_probs(const Keys& keys, const T* q, const float* stats, float scale,
+                            float* probs, int B, int Q, int H, int H_kv, int T_len, int d,
+                            stream_t stream) {
+  const auto kernel = attention_probs_kernel<T, DCH, Keys>;  // a template-id with a comma is no macro arg
+  const dim3 grid(static_cast<unsigned>((T_len + kProbKeys - 1) / kProbKeys),
+                  static_cast<unsigned>((Q + kProbQueries - 1) / kProbQueries),
+                  static_cast<unsigned>(B));
+  DLLM_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, q, keys, stats, scale, probs, Q, H,
+              H_kv, T_len, d);
+}
+
 // ---- split-KV: the combine ------------------------------------------------------
 // One warp per output row merges the row's chunk results by log-sum-exp:
 //   M = max_s m_s,  l = sum_s l_s e^(m_s - M),  out = (sum_s acc_s e^(m_s - M)) / l,

@@ -200,6 +200,60 @@ at::Tensor quant_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes,
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> two_source_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const at::Tensor& k_min, const at::Tensor& k_prot_idx, const at::Tensor& k_prot_val,
+    int64_t k_bits, int64_t k_group, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const at::Tensor& v_min, int64_t v_bits, int64_t v_group,
+    const std::optional<at::Tensor>& packed_valid, const at::Tensor& k_full,
+    const at::Tensor& v_full, const std::optional<at::Tensor>& full_valid, double scale,
+    bool return_probs) {
+  constexpr const char* op = "two_source_attention";
+  const TwoSourceShape t = check_two_source_attention(
+      q, k_codes, k_scale, k_min, k_prot_idx, k_prot_val, k_bits, k_group, v_codes, v_scale,
+      v_min, v_bits, v_group, packed_valid, k_full, v_full, full_valid, scale);
+  const QuantAttnShape& s = t.packed;
+  DLLM_CUDA_ENTER(op, q, "q");
+  DLLM_CHECK(s.B <= 65535 && s.H_kv <= 65535 && s.Q * (s.H / s.H_kv) <= INT32_MAX &&
+                 s.Q * s.H <= INT32_MAX && t.total() <= INT32_MAX,
+             op, "sizes too large for one launch (B = ", s.B, ", H_kv = ", s.H_kv, ", Q = ", s.Q,
+             ", Tp + Tf = ", t.total(), ")");
+  const auto qc = q.contiguous(), kfc = k_full.contiguous(), vfc = v_full.contiguous();
+  const auto kcc = k_codes.contiguous(), ksc = k_scale.contiguous(), kmc = k_min.contiguous();
+  const auto kic = k_prot_idx.contiguous(), kvc = k_prot_val.contiguous();
+  const auto vcc = v_codes.contiguous(), vsc = v_scale.contiguous(), vmc = v_min.contiguous();
+  at::Tensor pvalid_c, fvalid_c;
+  if (packed_valid.has_value()) pvalid_c = packed_valid->contiguous();
+  if (full_valid.has_value()) fvalid_c = full_valid->contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  auto out = at::empty({s.B, s.Q, s.H, s.d}, q.options());
+  auto probs = return_probs ? at::empty({s.B, s.Q, t.total()}, f32) : at::empty({0}, f32);
+  if (s.B == 0 || s.Q == 0 || s.H == 0) return {out, probs};
+  at::Tensor stats;
+  if (return_probs) stats = at::empty({s.B, s.Q, s.H, 2}, f32);
+  StatusWord status(q);
+  const SplitKvPlan split = plan_split_kv(op, q, s.B, s.Q, s.H, s.H_kv, t.total(), s.d);
+  DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::two_source_attention", [&] {
+    cuda::quant::launch_two_source_attention<kernel_t<scalar_t>>(
+        {.q = kernel_ptr<scalar_t>(qc), .k = packed_k_view<scalar_t>(s.k, kcc, ksc, kmc, kic, kvc),
+         .v = packed_v_view<scalar_t>(s.v, vcc, vsc, vmc),
+         .packed_valid = optional_ptr<bool>(pvalid_c),
+         .full = {.k = kernel_ptr<scalar_t>(kfc), .v = kernel_ptr<scalar_t>(vfc),
+                  .valid = optional_ptr<bool>(fvalid_c), .Tf = static_cast<int>(t.Tf)},
+         .scale = static_cast<float>(scale), .out = kernel_mut_ptr<scalar_t>(out),
+         .stats = optional_mut_ptr<float>(stats),
+         .probs = return_probs ? probs.mutable_data_ptr<float>() : nullptr,
+         .status = status.data(), .B = static_cast<int>(s.B), .Q = static_cast<int>(s.Q),
+         .H = static_cast<int>(s.H), .H_kv = static_cast<int>(s.H_kv),
+         .Tp = static_cast<int>(s.T), .d = static_cast<int>(s.d), .key_splits = split.splits,
+         .split_workspace = optional_mut_ptr<float>(split.workspace)},
+        DLLM_CUDA_STREAM());
+  });
+  DLLM_CUDA_LAUNCH_CHECK();
+  raise_quant_status(op, status.read()[0]);
+  return {out, probs};
+}
+
 }  // namespace
 
 DLLM_CUDA_LIBRARY(m) {
@@ -209,6 +263,7 @@ DLLM_CUDA_LIBRARY(m) {
   DLLM_CUDA_REGISTER(m, "quantize_v", quantize_v_cuda);
   DLLM_CUDA_REGISTER(m, "dequantize_v", dequantize_v_cuda);
   DLLM_CUDA_REGISTER(m, "quant_attention", quant_attention_cuda);
+  DLLM_CUDA_REGISTER(m, "two_source_attention", two_source_attention_cuda);
 }
 
 }  // namespace dllm

@@ -474,30 +474,83 @@ void launch_dequantize_v(const DequantizeVParams<T>& p, stream_t stream) {
 }
 
 // ============================================================================
-// quant_attention
+// quant_attention, two_source_attention
 // ============================================================================
 // Tiling, the online softmax and split-KV as sparse_attention
-// (cuda/attention_tile.cuh); each tile of keys is dequantized into shared
+// (cuda/attention_tile.cuh), over the concatenated key axis of two sources:
+// keys [0, Tp) are the packed cache, each tile of them dequantized into shared
 // memory first (fp32 holding the dtype-rounded dequantized values, or the
-// protected tokens' stored values). Blocks with blockIdx.x == 0 (row tile 0,
-// key chunk 0) also validate prot_idx of their (b, kvh), all of its groups,
-// so a corrupt entry is reported whichever chunk would read it.
+// protected tokens' stored values); keys [Tp, Tp + Tf) are
+// two_source_attention's full-precision columns, loaded as they are. A tile
+// or a key chunk may straddle the two. quant_attention is Tf = 0. Blocks with
+// blockIdx.x == 0 (row tile 0, key chunk 0) also validate prot_idx of their
+// (b, kvh), all of its groups, so a corrupt entry is reported whichever chunk
+// would read it.
+
+// The full-precision source: none (quant_attention) or two_source_attention's.
+template <typename T>
+struct FullKV {
+  const T* k = nullptr;          // [B, H_kv, Tf, d]
+  const T* v = nullptr;          // [B, H_kv, Tf, d]
+  const bool* valid = nullptr;   // [B, Tf], or null (every full key valid)
+  int Tf = 0;
+};
+
+// Key t (< Tp + Tf) of batch row b takes part in the softmax.
+template <typename T>
+__device__ __forceinline__ bool two_source_valid(const bool* packed_valid, const FullKV<T>& full,
+                                                 int64_t b, int Tp, int64_t t) {
+  if (t < Tp) return packed_valid == nullptr || packed_valid[b * Tp + t];
+  return full.valid == nullptr || full.valid[b * full.Tf + (t - Tp)];
+}
+
+// Element i of key t of head bh = b * H_kv + kvh, widened: what the first
+// pass holds in shared memory, so the probabilities pass rescores it exactly.
+template <typename T>
+__device__ __forceinline__ float two_source_key(const PackedK<T>& pk, const FullKV<T>& full,
+                                                int64_t bh, int Tp, int64_t t, int i, int d) {
+  if (t >= Tp) return to_float(full.k[(bh * full.Tf + (t - Tp)) * d + i]);
+  const int64_t kg = bh * pk.n_groups + t / pk.G;
+  const int slot = math::prot_slot_of(pk.prot_idx + kg * pk.p, pk.p, static_cast<int>(t % pk.G));
+  if (slot >= 0) return to_float(pk.prot_val[(kg * pk.p + slot) * d + i]);
+  const int nk = math::codes_per_byte(pk.bits);
+  const uint32_t code = math::unpack_code(pk.codes[(bh * pk.rows + t / nk) * d + i],
+                                          static_cast<int>(t % nk), pk.bits);
+  return dequant_as<T>(code, to_float(pk.scale[kg * d + i]), to_float(pk.mn[kg * d + i]));
+}
+
+// The probabilities pass's view of the two sources (attention_probs_kernel).
+template <typename T>
+struct TwoSourceKeys {
+  PackedK<T> pk;
+  FullKV<T> full;
+  const bool* packed_valid;
+  int H_kv, Tp, d;
+  __device__ __forceinline__ float key(int64_t b, int kvh, int64_t t, int i) const {
+    return two_source_key(pk, full, b * H_kv + kvh, Tp, t, i, d);
+  }
+  __device__ __forceinline__ bool valid(int64_t b, int64_t t) const {
+    return two_source_valid(packed_valid, full, b, Tp, t);
+  }
+};
 
 template <typename T, int DCH>
 __global__ void __launch_bounds__(kAttnThreads)
     quant_attention_kernel(const T* __restrict__ q, PackedK<T> pk, PackedV<T> pv,
-                           const bool* __restrict__ key_valid, float scale, T* __restrict__ out,
+                           const bool* __restrict__ packed_valid, FullKV<T> full, float scale,
+                           T* __restrict__ out, float* __restrict__ stats,
                            int* __restrict__ status, KeyChunks chunks, int Q, int H, int H_kv,
-                           int T_len, int d) {
+                           int Tp, int d) {
   using Tile = AttnTile<DCH>;
   constexpr int RW = Tile::kRowsPerWarp, BK = Tile::kKeys, R = Tile::kRows, DM = Tile::kDim;
   __shared__ float qs[R][DM];
   __shared__ float ks[BK][DM + 1];  // +1: lanes read different keys, conflict-free
   __shared__ float vs[BK][DM];
-  __shared__ int kslot[BK];  // protected slot of each key of the tile, or -1
+  __shared__ int kslot[BK];  // protected slot of each packed key of the tile, or -1
   const int G = H / H_kv;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z, bh = b * H_kv + kvh;
+  const int T_len = Tp + full.Tf;
   const int row0 = chunks.row_tile() * R, n_rows = Q * G;
   const int t_begin = chunks.key_begin(), t_end = chunks.key_end(T_len);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -507,7 +560,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     int bad = 0;
     for (int g = threadIdx.x; g < pk.n_groups; g += blockDim.x)
       if (!math::prot_group_valid(pk.prot_idx + (bh * pk.n_groups + g) * pk.p, pk.p,
-                                  math::group_tokens(T_len, pk.G, g)))
+                                  math::group_tokens(Tp, pk.G, g)))
         bad = math::kQuantBadProtIdx;
     report(status, bad);
   }
@@ -520,7 +573,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     if (static_cast<int>(threadIdx.x) < BK) {
       const int t = t0 + threadIdx.x;
       int slot = -1;
-      if (t < t_end) {
+      if (t < t_end && t < Tp) {
         const int g = t / pk.G;
         slot = math::prot_slot_of(pk.prot_idx + (bh * pk.n_groups + g) * pk.p, pk.p, t % pk.G);
       }
@@ -531,7 +584,11 @@ __global__ void __launch_bounds__(kAttnThreads)
       const int kk = e / d, i = e % d;
       const int t = t0 + kk;
       float kx = 0.f, vx = 0.f;
-      if (t < t_end) {
+      if (t < t_end && t >= Tp) {  // the full-precision source
+        const int64_t row = (bh * full.Tf + (t - Tp)) * d + i;
+        kx = to_float(full.k[row]);
+        vx = to_float(full.v[row]);
+      } else if (t < t_end) {
         const int64_t kg = bh * pk.n_groups + t / pk.G;
         const int slot = kslot[kk];
         if (slot >= 0) {
@@ -541,17 +598,23 @@ __global__ void __launch_bounds__(kAttnThreads)
               math::unpack_code(pk.codes[(bh * pk.rows + t / nk) * d + i], t % nk, pk.bits);
           kx = dequant_as<T>(code, to_float(pk.scale[kg * d + i]), to_float(pk.mn[kg * d + i]));
         }
-        vx = to_float(from_float<T>(v_value(pv, bh * T_len + t, i)));
+        vx = to_float(from_float<T>(v_value(pv, bh * Tp + t, i)));
       }
       ks[kk][i] = kx;
       vs[kk][i] = vx;
     }
     __syncthreads();
-    const bool key_ok = lane < BK && key_in_chunk(key_valid, b, T_len, t_end, t0 + lane);
+    const int t = t0 + lane;
+    const bool key_ok = lane < BK && t < t_end && two_source_valid(packed_valid, full, b, Tp, t);
     rows.fold_tile(qs, ks, vs, key_ok, row0, n_rows, warp, lane, d, scale);
   }
   rows.store_rows(chunks, out, b, row0, n_rows, Q, H, G, kvh, warp, lane, d,
-                  [](int, int64_t) {});
+                  [&](int w, int64_t o) {
+    if (stats && lane == 0) {
+      stats[o * 2] = rows.st[w].m;
+      stats[o * 2 + 1] = rows.st[w].l;
+    }
+  });
 }
 
 // All tensors contiguous. Requires 0 < d <= 256, H % H_kv == 0, T > 0.
@@ -572,21 +635,63 @@ struct QuantAttentionParams {
                            // scratch when key_splits > 1, else null
 };
 
+// The launch both ops share: the attention pass (and its combine), then, with
+// probs, the probabilities pass normalised by the merged (m, l).
 template <typename T, int DCH>
-void launch_quant_attention_d(const QuantAttentionParams<T>& p, stream_t stream) {
+void launch_two_source_d(const T* q, const PackedK<T>& pk, const PackedV<T>& pv,
+                         const bool* packed_valid, const FullKV<T>& full, float scale, T* out,
+                         float* stats, float* probs, int* status, int B, int Q, int H, int H_kv,
+                         int Tp, int d, int key_splits, float* split_workspace,
+                         stream_t stream) {
   const auto kernel = quant_attention_kernel<T, DCH>;  // a template-id with a comma is no macro arg
+  const int T_len = Tp + full.Tf;
   const KeyChunks chunks =
-      attn_key_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits, p.split_workspace);
-  DLLM_LAUNCH(kernel, attn_grid(chunks, p.B, p.H_kv), dim3(kAttnThreads), 0, stream, p.q, p.k,
-              p.v, p.key_valid, p.scale, p.out, p.status, chunks, p.Q, p.H, p.H_kv, p.T, p.d);
-  combine_key_chunks(chunks, p.out, static_cast<float*>(nullptr), p.d, stream);
+      attn_key_chunks<DCH>(B, Q, H, H_kv, T_len, d, key_splits, split_workspace);
+  DLLM_LAUNCH(kernel, attn_grid(chunks, B, H_kv), dim3(kAttnThreads), 0, stream, q, pk, pv,
+              packed_valid, full, scale, out, stats, status, chunks, Q, H, H_kv, Tp, d);
+  combine_key_chunks(chunks, out, stats, d, stream);
+  if (!probs) return;
+  const TwoSourceKeys<T> keys{pk, full, packed_valid, H_kv, Tp, d};
+  launch_attention_probs<T, DCH>(keys, q, stats, scale, probs, B, Q, H, H_kv, T_len, d, stream);
 }
 
 template <typename T>
 void launch_quant_attention(const QuantAttentionParams<T>& p, stream_t stream) {
   if (p.B == 0 || p.Q == 0 || p.H == 0) return;
   with_head_dim_chunks(p.d, [&](auto dch) {
-    launch_quant_attention_d<T, decltype(dch)::value>(p, stream);
+    launch_two_source_d<T, decltype(dch)::value>(
+        p.q, p.k, p.v, p.key_valid, FullKV<T>{}, p.scale, p.out, nullptr, nullptr, p.status, p.B,
+        p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits, p.split_workspace, stream);
+  });
+}
+
+// two_source_attention: all tensors contiguous. Requires 0 < d <= 256,
+// H % H_kv == 0, Tp + Tf > 0.
+template <typename Scalar>
+struct TwoSourceAttentionParams {
+  const Scalar* q;           // [B, Q, H, d]
+  PackedK<Scalar> k;         // Tp keys (n_groups = 0 when Tp = 0)
+  PackedV<Scalar> v;
+  const bool* packed_valid;  // [B, Tp], or null (every packed key valid)
+  FullKV<Scalar> full;       // Tf full-precision keys and values, their mask
+  float scale;
+  Scalar* out;               // [B, Q, H, d]
+  float* stats;              // [B, Q, H, 2] fp32 scratch, only with probs (else null)
+  float* probs;              // [B, Q, Tp + Tf] head-averaged probabilities, or null
+  int* status;               // math::QuantStatus bits (corrupt prot_idx)
+  int B, Q, H, H_kv, Tp, d;
+  int key_splits;            // key chunks asked for (over Tp + Tf keys); 1 = one pass
+  float* split_workspace;    // attention_split_workspace_floats(key_splits, B * Q * H, d) fp32
+                             // scratch when key_splits > 1, else null
+};
+
+template <typename T>
+void launch_two_source_attention(const TwoSourceAttentionParams<T>& p, stream_t stream) {
+  if (p.B == 0 || p.Q == 0 || p.H == 0) return;
+  with_head_dim_chunks(p.d, [&](auto dch) {
+    launch_two_source_d<T, decltype(dch)::value>(
+        p.q, p.k, p.v, p.packed_valid, p.full, p.scale, p.out, p.stats, p.probs, p.status, p.B,
+        p.Q, p.H, p.H_kv, p.Tp, p.d, p.key_splits, p.split_workspace, stream);
   });
 }
 

@@ -212,56 +212,20 @@ __global__ void __launch_bounds__(kAttnThreads)
   });
 }
 
-// Head-averaged probabilities, second pass: a block owns 4 queries x 32 keys
-// of one batch row (warp = query, lane = key) and sums, over every head,
-// exp(s - m) / l with the final per-(query, head) state of the first pass.
-// Each output is written by exactly one thread, so no atomics are needed.
-constexpr int kProbQueries = kAttnWarps;
-constexpr int kProbKeys = kWarp;
-
-template <typename T, int DCH>
-__global__ void __launch_bounds__(kAttnThreads)
-    attention_probs_kernel(const T* __restrict__ q, const T* __restrict__ kc,
-                           const bool* __restrict__ key_valid, const float* __restrict__ stats,
-                           float scale, float* __restrict__ probs, int Q, int H, int H_kv,
-                           int T_len, int d) {
-  constexpr int DM = DCH * kWarp;
-  __shared__ float qs[kProbQueries][DM];
-  __shared__ float ks[kProbKeys][DM + 1];
-  const int G = H / H_kv;
-  const int64_t b = blockIdx.z;
-  const int t0 = blockIdx.x * kProbKeys, q0 = blockIdx.y * kProbQueries;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int64_t t = t0 + lane;
-  const int qi = q0 + warp;
-  const bool key_ok = key_is_valid(key_valid, b, T_len, t);
-  float acc = 0.f;
-  for (int kvh = 0; kvh < H_kv; ++kvh) {
-    const T* K = kc + (b * H_kv + kvh) * static_cast<int64_t>(T_len) * d;
-    for (int g = 0; g < G; ++g) {
-      const int h = kvh * G + g;
-      __syncthreads();  // the previous head's rows (and key tile) are consumed
-      if (g == 0) {
-        for (int e = threadIdx.x; e < kProbKeys * d; e += blockDim.x) {
-          const int kk = e / d, i = e % d;
-          const int64_t tt = t0 + kk;
-          ks[kk][i] = tt < T_len ? to_float(K[tt * d + i]) : 0.f;
-        }
-      }
-      for (int e = threadIdx.x; e < kProbQueries * d; e += blockDim.x) {
-        const int w = e / d, i = e % d, qq = q0 + w;
-        qs[w][i] = qq < Q ? to_float(q[((b * Q + qq) * H + h) * d + i]) : 0.f;
-      }
-      __syncthreads();
-      if (qi < Q && key_ok) {
-        const int64_t o = (b * Q + qi) * H + h;
-        const float s = score_dot(qs[warp], ks[lane], d, scale);
-        acc += math::softmax_weight(s, stats[o * 2]) * math::softmax_inv_sum(stats[o * 2 + 1]);
-      }
-    }
+// Head-averaged probabilities, second pass: attention_probs_kernel
+// (cuda/attention_tile.cuh) over the dense cache.
+template <typename T>
+struct DenseKeys {
+  const T* kc;            // [B, H_kv, T, d]
+  const bool* key_valid;  // [B, T], or null
+  int H_kv, T_len, d;
+  __device__ __forceinline__ float key(int64_t b, int kvh, int64_t t, int i) const {
+    return to_float(kc[((b * H_kv + kvh) * T_len + t) * d + i]);
   }
-  if (qi < Q && t < T_len) probs[(b * Q + qi) * T_len + t] = key_ok ? acc / H : 0.f;
-}
+  __device__ __forceinline__ bool valid(int64_t b, int64_t t) const {
+    return key_is_valid(key_valid, b, T_len, t);
+  }
+};
 
 // All tensors contiguous. Requires 0 < d <= 256 and H % H_kv == 0.
 // key_splits > 1 cuts the keys into (up to) that many chunks (split-KV,
@@ -286,7 +250,6 @@ template <typename T, int DCH>
 void launch_sparse_attention_d(const SparseAttentionParams<T>& p, stream_t stream) {
   // Named aliases: a template-id with a comma cannot be a macro argument.
   const auto attention_kernel = sparse_attention_kernel<T, DCH>;
-  const auto probs_kernel = attention_probs_kernel<T, DCH>;
   const KeyChunks chunks =
       attn_key_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits, p.split_workspace);
   DLLM_LAUNCH(attention_kernel, attn_grid(chunks, p.B, p.H_kv), dim3(kAttnThreads), 0, stream,
@@ -294,11 +257,9 @@ void launch_sparse_attention_d(const SparseAttentionParams<T>& p, stream_t strea
               p.H_kv, p.T, p.d);
   combine_key_chunks(chunks, p.out, p.stats, p.d, stream);
   if (!p.probs) return;
-  const dim3 pgrid(static_cast<unsigned>((p.T + kProbKeys - 1) / kProbKeys),
-                   static_cast<unsigned>((p.Q + kProbQueries - 1) / kProbQueries),
-                   static_cast<unsigned>(p.B));
-  DLLM_LAUNCH(probs_kernel, pgrid, dim3(kAttnThreads), 0, stream, p.q, p.k_cache, p.key_valid,
-              p.stats, p.scale, p.probs, p.Q, p.H, p.H_kv, p.T, p.d);
+  const DenseKeys<T> keys{p.k_cache, p.key_valid, p.H_kv, p.T, p.d};
+  launch_attention_probs<T, DCH>(keys, p.q, p.stats, p.scale, p.probs, p.B, p.Q, p.H, p.H_kv,
+                                 p.T, p.d, stream);
 }
 
 template <typename T>

@@ -949,6 +949,72 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
         }
       }
   }
+  // two_source_attention: the same packed cache (Tp = 37 keys, mask above)
+  // followed by Tf = 6 full-precision keys (key Tp + 2 masked), with the
+  // head-averaged probabilities, against a double host loop over the
+  // concatenation; one pass, and split-KV into 2 chunks (32 + 11 keys: the
+  // second straddles the two sources).
+  const int Tf = 6, Tt = Tn + Tf;
+  std::vector<T> kf(size_t(B) * H * Tf * d), vf(kf.size());
+  for (auto& x : kf) x = cast_from_float<T>(n01(rng) * 2.f);
+  for (auto& x : vf) x = cast_from_float<T>(n01(rng));
+  bool fvalid[Tf];
+  for (int t = 0; t < Tf; ++t) fvalid[t] = t != 2;
+  auto key_at = [&](int h, int t, int c) {
+    return t < Tn ? double(to_float(kd[(size_t(h) * Tn + t) * d + c]))
+                  : double(to_float(kf[(size_t(h) * Tf + t - Tn) * d + c]));
+  };
+  auto value_at = [&](int h, int t, int c) {
+    return t < Tn ? double(to_float(vd[(size_t(h) * Tn + t) * d + c]))
+                  : double(to_float(vf[(size_t(h) * Tf + t - Tn) * d + c]));
+  };
+  auto valid_at = [&](int t) { return t < Tn ? valid[t] : fvalid[t - Tn]; };
+  std::vector<float> stats(size_t(B) * Q * Hq * 2), probs(size_t(B) * Q * Tt);
+  std::vector<float> workspace2(
+      size_t(dllm::cuda::attention_split_workspace_floats(2, int64_t(B) * Q * Hq, d)), NAN);
+  const q::TwoSourceAttentionParams<T> two{
+      .q = qv.data(), .k = pk, .v = pvv, .packed_valid = valid,
+      .full = {.k = kf.data(), .v = vf.data(), .valid = fvalid, .Tf = Tf}, .scale = sc,
+      .out = out.data(), .stats = stats.data(), .probs = probs.data(), .status = &status,
+      .B = B, .Q = Q, .H = Hq, .H_kv = H, .Tp = Tn, .d = d, .key_splits = 1,
+      .split_workspace = nullptr};
+  const q::TwoSourceAttentionParams<T> split_two = [&] {
+    q::TwoSourceAttentionParams<T> p2 = two;
+    p2.key_splits = 2;
+    p2.split_workspace = workspace2.data();
+    return p2;
+  }();
+  for (const auto* run : {&two, &split_two}) {
+    std::fill(out.begin(), out.end(), cast_from_float<T>(NAN));
+    std::fill(probs.begin(), probs.end(), NAN);
+    q::launch_two_source_attention(*run, nullptr);
+    expect_close(status, 0, 0.0, name, 6);
+    std::vector<double> pm(size_t(Q) * Tt, 0.0);
+    for (int j = 0; j < Q; ++j)
+      for (int hq = 0; hq < Hq; ++hq) {
+        const int h = hq / (Hq / H);
+        std::vector<double> s(Tt, 0.0);
+        double mx = -INFINITY, sum = 0.0;
+        for (int t = 0; t < Tt; ++t) {
+          if (!valid_at(t)) continue;
+          double dot = 0;
+          for (int c = 0; c < d; ++c)
+            dot += double(to_float(qv[(size_t(j) * Hq + hq) * d + c])) * key_at(h, t, c);
+          s[t] = dot * sc;
+          mx = std::max(mx, s[t]);
+        }
+        for (int t = 0; t < Tt; ++t) sum += valid_at(t) ? std::exp(s[t] - mx) : 0.0;
+        for (int t = 0; t < Tt; ++t)
+          if (valid_at(t)) pm[size_t(j) * Tt + t] += std::exp(s[t] - mx) / sum / Hq;
+        for (int c = 0; c < d; ++c) {
+          double o = 0;
+          for (int t = 0; t < Tt; ++t)
+            if (valid_at(t)) o += std::exp(s[t] - mx) / sum * value_at(h, t, c);
+          expect_close(to_float(out[(size_t(j) * Hq + hq) * d + c]), o, attn_tol, name, c);
+        }
+      }
+    for (size_t i = 0; i < pm.size(); ++i) expect_close(probs[i], pm[i], 1e-5, name, int(i));
+  }
   // A prot_idx entry past the last group's 5 real tokens is reported.
   pidx[(size_t(1) * n_groups + n_groups - 1) * p] = 6;
   status = 0;
@@ -959,6 +1025,11 @@ static void test_quant_family(const char* name, int bits, double attn_tol) {
     status = 0;
     q::launch_quant_attention(*run, nullptr);
     expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 5);
+  }
+  for (const auto* run : {&two, &split_two}) {
+    status = 0;
+    q::launch_two_source_attention(*run, nullptr);
+    expect_close(status, dllm::math::kQuantBadProtIdx, 0.0, name, 7);
   }
 }
 

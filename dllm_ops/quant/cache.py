@@ -174,7 +174,7 @@ class QuantKVCache(KVCache):
             ran = written >= 0
             packed_valid = self.layout.valid & ~self._slot_mask(written)
             repack = wants_attention
-            out, probs = _two_source_attention(q, pk, pv, packed_valid, self.k[layer],
+            out, probs = ops.two_source_attention(q, pk, pv, packed_valid, self.k[layer],
                                                   self.v[layer], ran, scale, return_probs or repack)
             self._count_read(layer)
             canvas = None
@@ -188,7 +188,7 @@ class QuantKVCache(KVCache):
             self.k[layer] = self.v[layer] = self._written[layer] = None
             return out, canvas if return_probs else out.new_empty((0,), dtype=torch.float32)
         fs, fe = self.fresh
-        out, probs = _two_source_attention(q, pk, pv, self.layout.valid, self.k[layer],
+        out, probs = ops.two_source_attention(q, pk, pv, self.layout.valid, self.k[layer],
                                               self.v[layer], self.key_valid[:, fs:fe], scale,
                                               return_probs)
         self._count_read(layer)
@@ -440,11 +440,3 @@ def _per_segment_max_normalised(x: torch.Tensor, segment: torch.Tensor) -> torch
         out = torch.where(m, x / torch.where(top > 0, top, torch.ones_like(top)), out)
     return out
 
-
-def _two_source_attention(q, pk, pv, packed_valid, k_full, v_full, full_valid, scale, return_probs):
-    # TEMPORARY (until dllm.two_source_attention lands): the op's contract in torch.
-    B, T = packed_valid.shape
-    k = torch.cat([ops.dequantize_k(pk), k_full], 2)
-    v = torch.cat([ops.dequantize_v(pv), v_full], 2)
-    valid = torch.cat([packed_valid, full_valid], 1)
-    return ops.sparse_attention(q, k, v, valid, scale, return_probs)
