@@ -25,6 +25,12 @@ REPORT=${2:-build/gpu-check.txt}
 cd "$(dirname "$0")/.."
 mkdir -p "$(dirname "$REPORT")"
 export PYTHONUNBUFFERED=1
+# torch's extension build looks for `ninja` on PATH only; the image's ninja sits
+# beside its python3 (a venv's bin/), so put that first: when PY is given as a
+# full path whose bin/ is not on PATH, torch would otherwise fall back to its
+# serial distutils build (it still builds, one file at a time).
+PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
+export PATH
 {
   echo "# dllm_ops gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   nvidia-smi -L 2>&1 || true
