@@ -138,8 +138,12 @@ def test_cross_section_rules():
     with pytest.raises(ConfigError, match=r"cache\.d2cache = .*'d2cache'"):
         CacheConfig(method="dual", d2cache=D2CacheConfig())
     assert CacheConfig(method="d2cache").d2cache == D2CacheConfig()
-    with pytest.raises(ConfigError, match=r"storage\.method = 'kivi'.*'d2cache'"):
-        DecodeConfig(cache=CacheConfig(method="d2cache"), storage=StorageConfig(method="kivi", bits=4))
+    with pytest.raises(ConfigError, match=r"storage\.method = 'kivi'.*'none'"):
+        DecodeConfig(cache=CacheConfig(method="none"), storage=StorageConfig(method="kivi", bits=4))
+    DecodeConfig(cache=CacheConfig(method="d2cache"), storage=StorageConfig(method="kivi", bits=4))
+    with pytest.raises(ConfigError, match=r"reuse\.method = 'o': must be 'none' with packed d2cache"):
+        DecodeConfig(cache=CacheConfig(method="d2cache"), storage=StorageConfig(method="kivi", bits=4),
+                     reuse=ReuseConfig(method="o", rho=0.5))
 
 
 def test_frozen():

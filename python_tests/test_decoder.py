@@ -43,8 +43,8 @@ BASE_KEYS = {"nfe", "wall_s", "generated_tokens", "tokens_per_s", "tokens_recomp
 DARE_KEYS = {"dare", "dare_rho", "dare_tau", "dare_phi_max", "dare_rule", "dare_reuse_share",
              "dare_reuse_share_all_calls", "dare_reuse_share_per_layer", "dare_activations_run",
              "dare_activations_reused", "dare_reused_with_zero_drift_per_layer", "dare_flops_saved"}
-KVQ_KEYS = {"kv_quant", "kv_quant_policy", "kv_cache_bytes", "kv_cache_bytes_bf16", "kv_work_bytes",
-            "k_bits", "v_bits"}
+KVQ_KEYS = {"kv_quant", "kv_quant_policy", "kv_cache_bytes", "kv_cache_bytes_bf16",
+            "kv_read_bytes_per_call", "kv_read_bytes_per_call_bf16", "k_bits", "v_bits"}
 TIME_KEYS = {"layer_seconds", "layer_seconds_block_start"}
 
 
@@ -151,8 +151,8 @@ def test_storage_axis(llada):
     assert packed.stats(cache).method == "kivi2"
     assert FullStorage().stats(FullStorage().new_cache(llada, valid)) is None
     # a policy object's cache method is what the storage checks
-    with pytest.raises(DecodeError, match="needs cache 'prefix' or 'dual', got 'd2cache'"):
-        make_storage(llada, StorageConfig(method="kivi", bits=4), "d2cache")
+    with pytest.raises(DecodeError, match="needs cache 'prefix', 'dual' or 'd2cache', got 'none'"):
+        make_storage(llada, StorageConfig(method="kivi", bits=4), "none")
     import inspect
     src = inspect.getsource(dllm_ops.decode)
     assert "kv_quant" not in src.split("def generate(")[1].split('"""')[2]   # the body, not the docs
