@@ -15,7 +15,7 @@ A decode is five independent choices plus one benchmark switch::
 
 Each object checks its own fields when built and names the bad field and
 value (:class:`dllm_ops.errors.ConfigError`); :class:`DecodeConfig` also checks
-what spans sections (packed storage needs a prefix/dual cache). Every object
+what spans sections (packed storage needs a prefix, dual or d2cache cache). Every object
 converts to a plain JSON-able dict and back losslessly
 (``type(c).from_dict(c.to_dict()) == c``); ``from_dict`` takes partial dicts
 (missing keys keep their defaults) and refuses unknown keys by name.
