@@ -6,6 +6,7 @@
   python -m bench serve --spawn tiny-llada | --url http://127.0.0.1:PORT   (the HTTP server, bench/serve.py)
   python -m bench serve-memory --spawn tiny-llada   (sequences one --kv-budget admits per KV storage)
   python -m bench plot FILE.csv [...]   (PNGs of bench decode's CSVs next to them; bench/plot.py)
+  python -m bench peers --fast-dllm DIR --d2cache DIR   (the reference loops against ours; bench/peers.py)
 
 For each op case: the dllm kernel and each baseline, measured in the same run,
 as median time, bytes moved per second, that rate as a % of the machine's copy
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     add_serve_memory(sub)
     from bench.plot import add_parser as add_plot
     add_plot(sub)
+    from bench.peers import add_parser as add_peers
+    add_peers(sub)
     args = p.parse_args(argv)
     from dllm_ops.errors import ConfigError, DllmOpsError, OptionError, TaskError
     try:
