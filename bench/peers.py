@@ -70,7 +70,8 @@ D2CACHE_FIXES = {
     "fresh-logits": "bug 2 (src/generation/vanilla.py generate_step): "
                     "`transfer_index_mask[idx].logical_and_(valid)` edits a copy, so masked tokens "
                     "the call did not recompute (zero logits, confidence ~1/V) stay candidates; "
-                    "fixed: vanilla's sample_tokens is wrapped so their confidence is -inf",
+                    "fixed: vanilla's confidence_unmasking (the reveal) is wrapped to AND its "
+                    "transfer_index_mask with the call's recomputed rows, as that line intends",
     "block-mask": "bug 3 (src/generation/utils.py check_can_generate): `eligible_mask &= ...` "
                   "mutates the caller's block_mask, so on_step_end's stage-1 window is built from "
                   "the count of masks left, not the block; fixed: vanilla's check_can_generate "
@@ -79,6 +80,14 @@ D2CACHE_FIXES = {
                     "nucleus picks among prompt and decoded tokens only (the code also lets "
                     "masked tokens in); applied by wrapping src/cache/d2cache.py's nucleus_select "
                     "so that the tokens still masked after the call are excluded",
+}
+# Diagnostics, off unless named in --d2cache-fixes: not fixes, changes of the
+# reference's numerics that show where a token difference comes from.
+D2CACHE_DIAGNOSTICS = {
+    "rollout-fp32": "diagnostic, not a fix: d2Cache.accumulate_attn_rollout runs in float32 "
+                    "(the reference accumulates the T x T rollout product in the model dtype, bf16; "
+                    "dllm_ops in float64), to see whether a token difference starts at a stage-2 "
+                    "nucleus cut-off",
 }
 # Run-time adaptations that are no bug fixes (the reference code would run as
 # is on a GPU machine; these make it run here, the same way on both sides).
@@ -233,9 +242,10 @@ def check_args(args) -> dict[str, str]:
                          f"{args.block_length} (Fast-dLLM asserts it)")
     if not 0 < args.d2cache_p <= 1:
         raise PeersError(f"--d2cache-p {args.d2cache_p}: must be in (0, 1]")
-    bad = [f for f in args.d2cache_fixes if f not in D2CACHE_FIXES]
+    bad = [f for f in args.d2cache_fixes if f not in D2CACHE_FIXES and f not in D2CACHE_DIAGNOSTICS]
     if bad:
-        raise PeersError(f"--d2cache-fixes {bad[0]!r}: choose from {', '.join(D2CACHE_FIXES)} (or none)")
+        raise PeersError(f"--d2cache-fixes {bad[0]!r}: choose from "
+                         f"{', '.join([*D2CACHE_FIXES, *D2CACHE_DIAGNOSTICS])} (or none)")
     for flag in ("peer_python", "ours_python"):
         setattr(args, flag, python_path(getattr(args, flag), "--" + flag.replace("_", "-")))
     need = [p for p in PEERS if any(MODE_PEER[m] == p for m in args.modes)]
@@ -364,7 +374,8 @@ def run_peers(args, checkouts: dict, log=print) -> tuple[list[dict], dict]:
                 peer_python=args.peer_python, ours_python=args.ours_python,
                 checkouts={p: dict(path=c, commit=checkout_commit(c), expected=PEERS[p]["commit"])
                            for p, c in checkouts.items()},
-                d2cache_fixes={k: D2CACHE_FIXES[k] for k in args.d2cache_fixes} if "d2cache" in args.modes else {},
+                d2cache_fixes={k: {**D2CACHE_FIXES, **D2CACHE_DIAGNOSTICS}[k] for k in args.d2cache_fixes}
+                if "d2cache" in args.modes else {},
                 adaptations=ADAPTATIONS,
                 versions={side: results[args.modes[0]][side][0].get("versions") for side in ("ref", "ours")})
     return rows, meta
@@ -462,7 +473,8 @@ def add_parser(sub) -> None:
                    help="certainty-prior decoding σ of the d2cache row (d²Cache's gen_args.py sets "
                         "10 with its cache; 0: off), both sides")
     p.add_argument("--d2cache-fixes", nargs="*", default=list(D2CACHE_FIXES),
-                   help=f"run-time fixes applied to d²Cache (default all: {', '.join(D2CACHE_FIXES)})")
+                   help=f"run-time fixes applied to d²Cache (default all: {', '.join(D2CACHE_FIXES)}; "
+                        f"the diagnostic {', '.join(D2CACHE_DIAGNOSTICS)} only when named)")
     p.add_argument("--warmup", default="full", choices=["full", "none"],
                    help="untimed decode in each child before the timed one (default full)")
     p.add_argument("--checkpoint", help="folder to write the checkpoint in (default a temporary one)")
@@ -599,7 +611,7 @@ def apply_d2cache_fixes(vanilla, d2mod, names, live: dict) -> list[str]:
     ``D2CACHE_FIXES`` hold; ``live["cache"]`` is the d2Cache instance of the decode running."""
     import torch
 
-    names = [n for n in D2CACHE_FIXES if n in names]
+    names = [n for n in [*D2CACHE_FIXES, *D2CACHE_DIAGNOSTICS] if n in names]
     if "block-mask" in names:
         check = vanilla.check_can_generate
 
@@ -608,18 +620,26 @@ def apply_d2cache_fixes(vanilla, d2mod, names, live: dict) -> list[str]:
         vanilla.check_can_generate = check_can_generate
 
     if "fresh-logits" in names:
-        sample = vanilla.sample_tokens
+        unmask = vanilla.confidence_unmasking
 
-        def sample_tokens(logits, *a, **kw):
-            confidence, x0, p = sample(logits, *a, **kw)
+        def confidence_unmasking(scores, transfer_index_mask, *a, **kw):
             cache = live.get("cache")
             if cache is not None and cache.active_q_mask is not None:
                 # LLaDA: the generated region is the last G positions; a masked
-                # token outside the call's rows has zero logits, not a prediction.
-                ran = cache.active_q_mask[:, -logits.shape[1]:]
-                confidence = torch.where(ran, confidence, -torch.inf)
-            return confidence, x0, p
-        vanilla.sample_tokens = sample_tokens
+                # token outside the call's rows has zero logits, not a prediction
+                # (and its score, confidence x density, can even be NaN or +inf).
+                ran = cache.active_q_mask[:, -transfer_index_mask.shape[1]:]
+                transfer_index_mask = transfer_index_mask & ran
+            return unmask(scores, transfer_index_mask, *a, **kw)
+        vanilla.confidence_unmasking = confidence_unmasking
+
+    if "rollout-fp32" in names:
+        accumulate = d2mod.d2Cache.accumulate_attn_rollout
+
+        def accumulate_attn_rollout(self, attn_scores):
+            self._attn_rollout = self._attn_rollout.float()
+            return accumulate(self, attn_scores.float())
+        d2mod.d2Cache.accumulate_attn_rollout = accumulate_attn_rollout
 
     if "conf-cache" in names or "stage2-paper" in names:
         step_end = d2mod.d2Cache.on_step_end
