@@ -52,18 +52,27 @@ def _ref_kvq(model, method, bits):
 # 2/4-bit grid: d²Cache quantizes every call's new K/V (and re-quantizes their
 # groups), so over a decode a one-ulp difference between the float32 model and
 # the float64 reference moves some element by a whole grid step, and from there
-# the two decodes drift apart (the shipped models, 2 calib prompts each: 9 of
-# the 16 (model, method, bits, prompt) runs agree in tokens and runs). The
-# storage rule itself is checked bit for bit, call by call, by
-# test_each_repack_is_the_reference_image; these are the runs that agree,
-# kept so that a change of the decode's semantics shows up end to end.
+# the two decodes drift apart. Which runs agree even changes with the thread
+# count (the GEMMs' blocking changes the float32 rounding): on the shipped
+# models, 2 calib prompts each, 7 of the 16 (model, method, bits, prompt) runs
+# agree at 1 thread and 7 at 2, these 6 at both. The storage rule itself is
+# checked bit for bit, call by call, by test_each_repack_is_the_reference_image;
+# these runs are kept (at 1 thread, as CI's earlier tests may leave it) so that
+# a change of the decode's semantics shows up end to end.
 AGREE = [("llada", "kivi", 2, "add"), ("llada", "kivi", 4, "add"), ("llada", "kivi", 4, "scan"),
-         ("llada", "kvq", 4, "add"), ("dream", "kivi", 2, "add"), ("dream", "kivi", 4, "scan"),
-         ("dream", "kvq", 4, "scan")]
+         ("llada", "kvq", 4, "add"), ("dream", "kivi", 4, "scan"), ("dream", "kvq", 4, "scan")]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("arch,method,bits,task", AGREE, ids=["-".join(map(str, c)) for c in AGREE])
-def test_packed_d2cache_equals_reference(arch, method, bits, task):
+def test_packed_d2cache_equals_reference(one_thread, arch, method, bits, task):
     name = f"tiny-{arch}"
     model, original = load(name, dtype=torch.float32), load_original(resolve_checkpoint(name))
     kw = dict(gen_length=32, block_length=16, steps=32, stop_at_eos=False)

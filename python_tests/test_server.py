@@ -459,7 +459,7 @@ def error_of(r) -> dict:
     ({"model": MODEL, "prompt": " ".join(["1"] * 250), "max_tokens": 8}, "prompt", "context_length_exceeded"),
     ({"model": MODEL, "prompt": "1 2", "dllm": {"cache": {"method": "fast"}}}, "dllm.cache.method",
      "invalid_config"),
-    ({"model": MODEL, "prompt": "1 2", "dllm": {"cache": {"method": "d2cache"},
+    ({"model": MODEL, "prompt": "1 2", "dllm": {"cache": {"method": "none"},
                                                  "storage": {"method": "kivi", "bits": 4}}},
      "dllm.storage.method", "invalid_config"),
     ({"model": MODEL, "prompt": "1 2 <mask>"}, None, "invalid_request"),
@@ -506,21 +506,28 @@ def test_a_full_queue_answers_429(one_slot_server):
     import threading
     url = one_slot_server.url + "/v1/completions"
     n = 6
-    barrier = threading.Barrier(n)
+    barrier = threading.Barrier(n - 1)
     responses = [None] * n
 
     def send(i):
         with http() as c:
-            barrier.wait(WAIT)
+            if i:
+                barrier.wait(WAIT)
             responses[i] = c.post(url, json=slow_body())
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+    # One request is running before the others arrive at once: then exactly one of
+    # those waits in the queue (its one slot) and the rest are refused. (Arriving
+    # together with the first, a second can find the queue still holding the first.)
+    first = threading.Thread(target=send, args=(0,))
+    first.start()
+    wait_for_metric(one_slot_server.url, "dllm_running_sequences", 1)
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(1, n)]
     for t in threads:
         t.start()
-    for t in threads:
+    for t in [first, *threads]:
         t.join(2 * WAIT)
     codes = sorted(r.status_code for r in responses)
-    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    assert codes.count(200) == 2 and codes.count(429) == n - 2, codes
     full = next(r for r in responses if r.status_code == 429)
     assert int(full.headers["retry-after"]) >= 1
     err = error_of(full)
