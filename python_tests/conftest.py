@@ -49,3 +49,15 @@ def model_device(request) -> str:
     half against the same float64 oracles; here it skips)."""
     require(request.param)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A test that sets torch's thread count (the bench CLIs run in-process with
+    --threads) leaves it as it found it: float32 results, and so the tests that
+    compare decodes with float64 loops, depend on the GEMMs' thread count."""
+    import torch
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
