@@ -183,8 +183,11 @@ def test_registered_as_a_bench_subcommand(capsys):
 @pytest.mark.skipif(not (os.environ.get("DLLM_PEERS_FAST_DLLM") and os.environ.get("DLLM_PEERS_D2CACHE")),
                     reason="DLLM_PEERS_FAST_DLLM and DLLM_PEERS_D2CACHE name no checkouts")
 def test_end_to_end_tiny(tmp_path, capsys):
-    """Every mode at a tiny shape: both sides run, same NFE and tokens (greedy,
-    one token per call: the decodes are deterministic)."""
+    """Every mode at a tiny shape: both sides run, deterministic (greedy), same
+    NFE; Fast-dLLM's modes give our tokens here. d²Cache's may differ: its
+    stage-2 nucleus cut-off is taken on a rollout the reference accumulates in
+    bf16 (ours in float64), so a near-tie can pick another token to recompute
+    (docs/bench/peers.md)."""
     out = tmp_path / "peers.json"
     argv = ["peers", "--peer-python", os.environ.get("DLLM_PEERS_PYTHON", sys.executable),
             "--d-model", "64", "--heads", "4", "--layers", "2", "--mlp", "96", "--vocab", "256",
@@ -198,5 +201,6 @@ def test_end_to_end_tiny(tmp_path, capsys):
     assert [r["mode"] for r in res["rows"]] == ["none", "prefix", "dual", "d2cache"]
     for r in res["rows"]:
         assert r["deterministic"], r["mode"]
-        assert r["tokens_equal"] and r["ref_nfe"] == r["ours_nfe"], (r["mode"], r["ref_nfe"], r["ours_nfe"])
+        assert r["ref_nfe"] == r["ours_nfe"], (r["mode"], r["ref_nfe"], r["ours_nfe"])
+        assert r["tokens_equal"] or r["mode"] == "d2cache", (r["mode"], r["tokens_differing"])
     assert set(res["meta"]["d2cache_fixes"]) == set(peers.D2CACHE_FIXES)
