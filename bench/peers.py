@@ -257,22 +257,28 @@ def check_args(args) -> dict[str, str]:
 
 
 COLUMNS = ["mode", "reference", "ref_wall_s", "ours_wall_s", "speedup", "ref_nfe", "ours_nfe",
-           "tokens_equal", "deterministic"]
+           "tokens_equal", "deterministic", "ref_cpu_s", "ours_cpu_s", "cpu_speedup"]
 
 
 def format_table(rows: list[dict]) -> str:
     """The markdown table: mode | reference wall s | ours wall s | speed-up | NFE
     reference / ours | tokens equal (``-`` where a side is not deterministic)."""
     out = ["| mode | reference code | reference wall s | ours wall s | speed-up | NFE ref / ours "
-           "| tokens equal |", "|---|---|---|---|---|---|---|"]
+           "| tokens equal | CPU s ref / ours (speed-up) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["deterministic"]:
             eq = "yes" if r["tokens_equal"] else f"no ({r.get('tokens_differing', '?')} differ)"
         else:
             eq = "- (not deterministic)"
         out.append(f"| {r['mode']} | {r['reference']} | {_walls(r, 'ref')} | {_walls(r, 'ours')} "
-                   f"| {r['speedup']:.2f}× | {r['ref_nfe']} / {r['ours_nfe']} | {eq} |")
+                   f"| {r['speedup']:.2f}× | {r['ref_nfe']} / {r['ours_nfe']} | {eq} | {_cpu(r)} |")
     return "\n".join(out)
+
+
+def _cpu(r: dict) -> str:
+    if r.get("ref_cpu_s") is None or r.get("ours_cpu_s") is None:
+        return "-"
+    return f"{r['ref_cpu_s']:.2f} / {r['ours_cpu_s']:.2f} ({r['cpu_speedup']:.2f}×)"
 
 
 def _walls(r: dict, side: str) -> str:
@@ -389,8 +395,10 @@ def summarize(mode: str, res: dict, args) -> dict:
     det = all(_same_tokens(side) for side in (ref, ours))
     a, b = ref[0]["tokens"], ours[0]["tokens"]
     differ = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+    cpu = {s: statistics.median(r.get("cpu_s", float("nan")) for r in runs) for s, runs in res.items()}
     return dict(mode=mode, reference=reference_label(mode, args), ref_wall_s=rw, ours_wall_s=ow,
-                speedup=rw / ow, ref_nfe=ref[0]["nfe"], ours_nfe=ours[0]["nfe"],
+                speedup=rw / ow, ref_cpu_s=cpu["ref"], ours_cpu_s=cpu["ours"],
+                cpu_speedup=cpu["ref"] / cpu["ours"], ref_nfe=ref[0]["nfe"], ours_nfe=ours[0]["nfe"],
                 tokens_equal=differ == 0, deterministic=det, tokens_differing=differ,
                 ref_walls=[r["wall_s"] for r in ref], ours_walls=[r["wall_s"] for r in ours],
                 nfe_equal=ref[0]["nfe"] == ours[0]["nfe"],
@@ -427,7 +435,8 @@ def cmd_peers(args) -> int:
     print(format_table(rows))
     det = [r["mode"] for r in rows if r["deterministic"]]
     print(f"\nwall: median over rounds of one timed decode per process (after a {args.warmup} "
-          f"warm-up decode); speed-up = reference / ours. Deterministic (every decode of both "
+          f"warm-up decode); speed-up = reference / ours; CPU s: the process's CPU time over the "
+          f"same decode (all its threads; less sensitive than wall to a shared machine). Deterministic (every decode of both "
           f"sides gave the same tokens): {', '.join(det) or 'none'}.")
     if meta["d2cache_fixes"]:
         print("d²Cache run-time fixes (its files unmodified):")
@@ -502,11 +511,11 @@ def _child_main(spec_path: str) -> int:
     if spec["warmup"] == "full":
         warm, _ = decode()
         warm = [int(t) for t in warm]
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     tokens, nfe = decode()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     import transformers
-    out = dict(wall_s=wall, nfe=int(nfe), tokens=[int(t) for t in tokens], warm_tokens=warm,
+    out = dict(wall_s=wall, cpu_s=cpu, nfe=int(nfe), tokens=[int(t) for t in tokens], warm_tokens=warm,
                threads=torch.get_num_threads(),
                versions=dict(python=sys.version.split()[0], torch=torch.__version__,
                              transformers=transformers.__version__), **info)

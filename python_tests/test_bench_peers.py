@@ -136,7 +136,8 @@ def test_check_args_returns_the_checkouts_the_modes_need(tmp_path):
 ROWS = [
     dict(mode="dual", reference="Fast-dLLM generate_with_dual_cache, block 16", ref_wall_s=2.9612,
          ours_wall_s=1.48, speedup=2.9612 / 1.48, ref_nfe=68, ours_nfe=68, tokens_equal=True,
-         deterministic=True, tokens_differing=0, ref_walls=[2.9612], ours_walls=[1.48]),
+         deterministic=True, tokens_differing=0, ref_walls=[2.9612], ours_walls=[1.48],
+         ref_cpu_s=5.6, ours_cpu_s=2.8, cpu_speedup=2.0),
     dict(mode="d2cache", reference="d²Cache", ref_wall_s=3.0, ours_wall_s=1.5, speedup=2.0,
          ref_nfe=64, ours_nfe=65, tokens_equal=False, deterministic=True, tokens_differing=3,
          ref_walls=[3.1, 2.9], ours_walls=[1.5, 1.5]),
@@ -149,11 +150,13 @@ ROWS = [
 def test_format_table():
     lines = peers.format_table(ROWS).splitlines()
     assert lines[0] == ("| mode | reference code | reference wall s | ours wall s | speed-up "
-                        "| NFE ref / ours | tokens equal |")
-    assert lines[2] == "| dual | Fast-dLLM generate_with_dual_cache, block 16 | 2.96 | 1.48 | 2.00× | 68 / 68 | yes |"
+                        "| NFE ref / ours | tokens equal | CPU s ref / ours (speed-up) |")
+    assert lines[2] == ("| dual | Fast-dLLM generate_with_dual_cache, block 16 | 2.96 | 1.48 | 2.00× | 68 / 68 "
+                        "| yes | 5.60 / 2.80 (2.00×) |")
     # several rounds: the median, then every round's wall
-    assert lines[3] == "| d2cache | d²Cache | 3.00 (3.10, 2.90) | 1.50 (1.50, 1.50) | 2.00× | 64 / 65 | no (3 differ) |"
-    assert lines[4].endswith("| - (not deterministic) |")
+    assert lines[3] == ("| d2cache | d²Cache | 3.00 (3.10, 2.90) | 1.50 (1.50, 1.50) | 2.00× | 64 / 65 "
+                        "| no (3 differ) | - |")
+    assert "| - (not deterministic) |" in lines[4]
 
 
 def test_csv_and_json_rows(tmp_path):
