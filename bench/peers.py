@@ -436,7 +436,7 @@ def cmd_peers(args) -> int:
     det = [r["mode"] for r in rows if r["deterministic"]]
     print(f"\nwall: median over rounds of one timed decode per process (after a {args.warmup} "
           f"warm-up decode); speed-up = reference / ours; CPU s: the process's CPU time over the "
-          f"same decode (all its threads; less sensitive than wall to a shared machine). Deterministic (every decode of both "
+          f"same decode (all its threads: about wall × the threads kept busy). Deterministic (every decode of both "
           f"sides gave the same tokens): {', '.join(det) or 'none'}.")
     if meta["d2cache_fixes"]:
         print("d²Cache run-time fixes (its files unmodified):")
