@@ -55,10 +55,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def synthetic_model(name: str, layers: int, dtype: torch.dtype, seed: int = 0):
-    from dllm_ops.models import DiffusionLM, ModelConfig
+    from dllm_ops.models import ModelConfig
+
+    return random_model(ModelConfig(n_layers=layers, **SYNTHETIC[name]), dtype, seed)
+
+
+def random_model(config, dtype: torch.dtype, seed: int = 0):
+    """A seeded random model of ``config``: unit norms, N(0, 1) embeddings,
+    N(0, 1/fan_in) matrices (random weights measure cost, not quality)."""
+    from dllm_ops.models import DiffusionLM
 
     torch.manual_seed(seed)
-    config = ModelConfig(n_layers=layers, **SYNTHETIC[name])
     with torch.device("meta"):
         model = DiffusionLM(config)
     state = {}

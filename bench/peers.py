@@ -146,25 +146,11 @@ def write_checkpoint(path: str, config_fields: dict, seed: int = 0, dtype: str =
     LLaDA modeling code also needs; returns the model written."""
     import torch
 
-    from dllm_ops.models import DiffusionLM, ModelConfig, save
+    from bench.decode import random_model
+    from dllm_ops.models import ModelConfig, save
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    torch.manual_seed(seed)
-    config = ModelConfig(**config_fields)
-    with torch.device("meta"):
-        model = DiffusionLM(config)
-    # As bench/decode.py's synthetic_model: unit norms, N(0, 1) embeddings,
-    # N(0, 1/fan_in) matrices (random weights: cost, not quality).
-    state = {}
-    for k, p in model.state_dict().items():
-        if "norm" in k:
-            state[k] = torch.ones(p.shape, dtype=dt)
-        elif k == "embed.weight":
-            state[k] = torch.randn(p.shape, dtype=dt)
-        else:
-            state[k] = (torch.randn(p.shape) * p.shape[-1] ** -0.5).to(dt)
-    model.load_state_dict(state, assign=True)
-    model.tokenizer = None
+    model = random_model(ModelConfig(**config_fields), dt, seed)
     save(model.eval(), path)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
