@@ -57,10 +57,11 @@ import torch
 
 from .. import ops
 from ..errors import DecodeError
+from ..models.transformer import row_mask, rows_of
 from ..plan import KVCache
 from .packed import PackedK, PackedV, packed_k_layout, packed_v_layout
 from .policy_table import LayerPolicy
-from .slots import SlotLayout, gather_slots, pad_sources
+from .slots import SlotLayout, columns_to_canvas, gather_slots, pad_sources
 
 MODES = ("prefix", "dual", "d2cache")
 
@@ -98,7 +99,7 @@ class QuantKVCache(KVCache):
         # accounting, summed over every pack of the decode
         self.k_bits_stored = self.k_elems = self.v_bits_stored = self.v_elems = 0
         self.peak_bytes = 0
-        self.read_bytes = self.read_bytes_bf16 = self.read_layers = 0
+        self.read_bytes = self.read_layers = 0
 
     # ---- the loop's hook -------------------------------------------------------
     def begin_block(self, block_start: int, block_end: int) -> None:
@@ -106,14 +107,10 @@ class QuantKVCache(KVCache):
         refreshed in full precision, then packed). d²Cache: only the decode's first
         block does so; later blocks keep the packed cache."""
         self.block = (block_start, block_end)
-        if self.mode == "d2cache":
-            if self.layout is not None:
-                return
-            segments = [[(fv, self.length)] for fv in self.first_valid]
-            self.fresh = (block_start, block_start)
-        else:
-            segments = [self._segments(fv, block_start, block_end) for fv in self.first_valid]
-            self.fresh = (block_start, block_end if self.mode == "dual" else self.length)
+        if self.mode == "d2cache" and self.layout is not None:
+            return
+        segments = [self._segments(fv, block_start, block_end) for fv in self.first_valid]
+        self.fresh = self._fresh_columns(block_start, block_end)
         self.layout = SlotLayout.build(segments, self.length, self.group, self.device)
         self.packed = [None] * self.n_layers
         self.k = [None] * self.n_layers
@@ -179,11 +176,8 @@ class QuantKVCache(KVCache):
             self._count_read(layer)
             canvas = None
             if return_probs or repack:
-                canvas = self.layout.to_canvas(probs[:, :, :L], T)
-                col = torch.where(ran, written, T)
-                full = canvas.new_zeros(canvas.shape[0], canvas.shape[1], T + 1)
-                full.scatter_(2, col[:, None, :].expand(-1, canvas.shape[1], -1), probs[:, :, L:])
-                canvas += full[:, :, :T]
+                canvas = (self.layout.to_canvas(probs[:, :, :L], T)
+                          + columns_to_canvas(probs[:, :, L:], written, T))
             self._repack(layer, written, canvas if repack else None)
             self.k[layer] = self.v[layer] = self._written[layer] = None
             return out, canvas if return_probs else out.new_empty((0,), dtype=torch.float32)
@@ -199,18 +193,19 @@ class QuantKVCache(KVCache):
         return out, canvas
 
     # ---- packing ---------------------------------------------------------------
-    @staticmethod
-    def _segments_of(mode: str, first_valid: int, bs: int, be: int, T: int):
-        if mode == "d2cache":
+    def _segments(self, first_valid: int, bs: int, be: int):
+        """A row's packed column ranges while block ``[bs, be)`` decodes."""
+        T = self.length
+        if self.mode == "d2cache":
             return [(first_valid, T)]
         segs = [(first_valid, bs)]
-        if mode == "dual":
+        if self.mode == "dual":
             segs.append((max(be, first_valid), T))
         return segs
 
-    def _segments(self, first_valid: int, bs: int, be: int):
-        """A row's reused column ranges while block ``[bs, be)`` decodes."""
-        return self._segments_of(self.mode, first_valid, bs, be, self.length)
+    def _fresh_columns(self, bs: int, be: int) -> tuple[int, int]:
+        """The canvas columns kept in full precision while block ``[bs, be)`` decodes."""
+        return {"dual": (bs, be), "prefix": (bs, self.length), "d2cache": (bs, bs)}[self.mode]
 
     def _block_attention(self, probs: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` fp32: attention each key gets from the active block's
@@ -271,12 +266,10 @@ class QuantKVCache(KVCache):
     def _slot_mask(self, written: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` True at the slots of the canvas positions ``written`` (−1 pads)."""
         lay = self.layout
-        slots = torch.where(written >= 0, lay.slot_of.gather(1, written.clamp_min(0)), -1)
+        slots = rows_of(lay.slot_of, written)
         if bool(((written >= 0) & (slots < 0)).any()):
             raise DecodeError("packed d2cache storage: the plan recomputes a column that is not packed")
-        m = torch.zeros(self.batch, lay.length + 1, dtype=torch.bool, device=written.device)
-        m.scatter_(1, torch.where(slots >= 0, slots, lay.length), True)
-        return m[:, :-1]
+        return row_mask(slots, lay.length)
 
     def _repack(self, layer: int, written: torch.Tensor, canvas_probs) -> None:
         """d²Cache: store the call's new K/V packed (see the module docstring)."""
@@ -352,7 +345,6 @@ class QuantKVCache(KVCache):
         pk, pv = self.packed[layer]
         full = [t for t in (self.k[layer], self.v[layer]) if t is not None]
         self.read_bytes += _nbytes((*pk.tensors(), *pv.tensors(), *full))
-        self.read_bytes_bf16 += 2 * self.batch * self.n_kv_heads * self.length * self.head_dim * 2
         self.read_layers += 1
 
     def stored_bytes(self) -> int:
@@ -388,7 +380,7 @@ class QuantKVCache(KVCache):
             be = bs + block_length
             L = max(SlotLayout.slots_needed(self._segments(fv, bs, be), self.group)
                     for fv in self.first_valid)
-            fs, fe = {"dual": (bs, be), "prefix": (bs, T), "d2cache": (bs, bs)}[self.mode]
+            fs, fe = self._fresh_columns(bs, be)
             fresh = 2 * B * H * (fe - fs) * d * itemsize
             held = [self._packed_layer_bytes(L, pol.p) + fresh for pol in self.layer_policy]
             peak = max(peak, sum(held[:-1]) + max(full_layer, held[-1]))
@@ -411,7 +403,7 @@ class QuantKVCache(KVCache):
         calls = self.read_layers / self.n_layers
         return dict(cache_bytes=self.peak_bytes, cache_bytes_bf16=self.bf16_bytes(),
                     read_bytes_per_call=self.read_bytes / calls if calls else float("nan"),
-                    read_bytes_per_call_bf16=self.read_bytes_bf16 / calls if calls else float("nan"),
+                    read_bytes_per_call_bf16=self.bf16_bytes() if calls else float("nan"),
                     k_bits=self.k_bits_stored / self.k_elems if self.k_elems else float("nan"),
                     v_bits=self.v_bits_stored / self.v_elems if self.v_elems else float("nan"))
 

@@ -88,21 +88,23 @@ class SlotLayout:
         return x.gather(2, self.column[:, None, :, None].expand(B, H, self.length, d))
 
     def gather_columns(self, x: torch.Tensor, fill: float) -> torch.Tensor:
-        """``[B, L]`` (or ``[B, H, L]``): per-column values ``x [B, T]`` (``[B, H, T]``)
-        laid into slots, ``fill`` on pads."""
-        if x.dim() == 2:
-            return torch.where(self.valid, x.gather(1, self.column), fill)
-        col = self.column[:, None, :].expand(x.shape[0], x.shape[1], self.length)
-        return torch.where(self.valid[:, None, :], x.gather(2, col), fill)
+        """``[B, L]``: per-column values ``x [B, T]`` laid into slots, ``fill`` on pads."""
+        return torch.where(self.valid, x.gather(1, self.column), fill)
 
     def to_canvas(self, probs: torch.Tensor, length: int) -> torch.Tensor:
         """``[B, Q, T]``: per-slot values ``probs [B, Q, L]`` moved to their canvas
         columns (pads dropped, unpacked columns 0)."""
-        B, Q, _ = probs.shape
-        out = probs.new_zeros(B, Q, length + 1)
-        col = torch.where(self.valid, self.column, length)
-        out.scatter_(2, col[:, None, :].expand(B, Q, self.length), probs)
-        return out[:, :, :length]
+        return columns_to_canvas(probs, torch.where(self.valid, self.column, -1), length)
+
+
+def columns_to_canvas(values: torch.Tensor, columns: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, Q, T]`` zeros with ``values [B, Q, n]`` placed at the canvas columns
+    ``columns [B, n]`` (``-1``: dropped); the columns of a row are distinct."""
+    B, Q, n = values.shape
+    out = values.new_zeros(B, Q, length + 1)
+    col = torch.where(columns >= 0, columns, length)
+    out.scatter_(2, col[:, None, :].expand(B, Q, n), values)
+    return out[:, :, :length]
 
 
 def pad_sources(valid: torch.Tensor, importance: torch.Tensor | None, protect_p: int,
