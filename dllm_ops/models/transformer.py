@@ -20,6 +20,7 @@ from ..plan import KVCache, StepPlan
 from ..layer_timer import NO_TIMER
 from ..rope import rope_cos_sin
 from .config import ModelConfig
+from .packed_linear import Linear
 
 
 def rotary_cos_sin(table: torch.Tensor, positions: torch.Tensor):
@@ -78,14 +79,14 @@ class Block(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.q = nn.Linear(c.hidden_size, c.n_heads * c.head_dim, bias=c.qkv_bias)
-        self.k = nn.Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v = nn.Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o = nn.Linear(c.n_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q = Linear(c.hidden_size, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k = Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v = Linear(c.hidden_size, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o = Linear(c.n_heads * c.head_dim, c.hidden_size, bias=False)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.gate = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP of ffn-normed rows ``h [..., C]`` (``step``'s; no autograd).
@@ -121,7 +122,7 @@ class DiffusionLM(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         self._rope: dict = {}
 
     @property

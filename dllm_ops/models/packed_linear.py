@@ -1,0 +1,78 @@
+"""``Linear``: nn.Linear whose bf16 inference on the CPU runs on a pre-packed weight.
+
+torch's CPU ``F.linear`` in bf16 hands the product to oneDNN, which re-lays
+the weight out into its blocked format on every call. A decode call runs few
+token rows (one block, or the rows a cache recomputes), so that per-call
+reorder reads and writes the whole weight again and the GEMM runs at about
+two thirds of the speed it reaches on a weight packed once
+(``torch.ops.mkldnn._reorder_linear_weight``, the format torch's own CPU
+inductor freezes weights into). The product is the same oneDNN kernel on the
+same blocked weight, so the output is bit for bit ``F.linear``'s: the packed
+weight is checked against ``F.linear`` once when it is built, and a mismatch
+(a CPU or oneDNN build where the two differ) turns packing off for that
+layer instead of changing any number.
+
+The packed copy is a cache beside the parameter (not in the state dict): it
+is rebuilt when the weight changes (a new tensor or an in-place write), used
+only without autograd, only for bf16 on the CPU with oneDNN bf16 support, and
+costs one more copy of every packed weight in memory.
+``DLLM_CPU_PACKED_GEMM=0`` in the environment turns it off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def packing_available() -> bool:
+    """Whether this torch and CPU pack bf16 linear weights (and the env allows it)."""
+    if os.environ.get("DLLM_CPU_PACKED_GEMM", "1") == "0":
+        return False
+    try:
+        return (torch.backends.mkldnn.is_available()
+                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_AVAILABLE = packing_available()
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with a packed-weight fast path for bf16 CPU inference (see module doc)."""
+
+    _packed = None
+    _packed_key = None
+    _packing_failed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (not _AVAILABLE or self._packing_failed or x.dtype != torch.bfloat16
+                or w.dtype != torch.bfloat16 or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, self.bias)
+        packed = self._packed_weight()
+        if packed is None:
+            return F.linear(x, w, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def _packed_weight(self):
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._packed_key != key:
+            self._packed, self._packed_key = None, key
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+                probe = torch.linspace(-2, 2, 17 * w.shape[1], dtype=torch.float32)
+                probe = probe.reshape(17, w.shape[1]).to(torch.bfloat16)
+                same = torch.equal(F.linear(probe, w, self.bias),
+                                   torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias,
+                                                                      "none", [], ""))
+            if not same:
+                self._packing_failed = True
+                return None
+            self._packed = packed
+        return self._packed
