@@ -20,7 +20,8 @@ import torch
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # after PYTHONPATH
 
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+            "mkldnn::_linear_pointwise"}  # the packed bf16 linears (dllm_ops/models/packed_linear.py)
 
 
 def main() -> int:

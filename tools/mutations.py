@@ -204,6 +204,20 @@ MUTATIONS = [
              "    return t < Tp && two_source_valid(packed_valid, full, b, Tp, t);",
              SIM, "two_source_attention: the probabilities cover the full-precision keys too"),
 
+    # -- models: bf16 CPU linears on a packed weight
+    Mutation("packed-linear-probe-check-ignored",
+             "dllm_ops/models/packed_linear.py",
+             "            if not same:\n",
+             "            if False:\n",
+             ("python_tests/test_packed_linear.py::test_a_packed_product_that_differs_turns_packing_off",),
+             "packed linear: a packed product that is not F.linear's is never used", fast=True),
+    Mutation("packed-linear-cache-ignores-in-place-writes",
+             "dllm_ops/models/packed_linear.py",
+             "key = (w.data_ptr(), w._version, tuple(w.shape))",
+             "key = (w.data_ptr(), tuple(w.shape))",
+             ("python_tests/test_packed_linear.py::test_the_packed_copy_follows_the_weight",),
+             "packed linear: the packed copy is rebuilt after an in-place write to the weight"),
+
     # -- layer (fused epilogues: add_rms_norm_, silu_mul)
     Mutation("layer-rms-eps-added-to-the-mean",
              "csrc/math/layer_math.h",

@@ -40,6 +40,27 @@ def packing_available() -> bool:
 
 _AVAILABLE = packing_available()
 
+#: the batch-size hint oneDNN packs for: decode calls run a block's rows
+PACK_ROWS = 16
+
+
+def pack_weight(w: torch.Tensor):
+    """``w [N, K]`` bf16 in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` on a weight from :func:`pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def same_as_linear(w: torch.Tensor, packed, bias: torch.Tensor | None) -> bool:
+    """Whether the packed product equals ``F.linear`` bit for bit on a fixed probe
+    (17 rows: one full row tile of the packing hint and a remainder)."""
+    probe = torch.linspace(-2, 2, 17 * w.shape[1], dtype=torch.float32)
+    probe = probe.reshape(17, w.shape[1]).to(w.dtype)
+    return torch.equal(F.linear(probe, w, bias), packed_linear(probe, packed, bias))
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` with a packed-weight fast path for bf16 CPU inference (see module doc)."""
@@ -57,7 +78,7 @@ class Linear(nn.Linear):
         packed = self._packed_weight()
         if packed is None:
             return F.linear(x, w, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return packed_linear(x, packed, self.bias)
 
     def _packed_weight(self):
         w = self.weight
@@ -65,12 +86,8 @@ class Linear(nn.Linear):
         if self._packed_key != key:
             self._packed, self._packed_key = None, key
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
-                probe = torch.linspace(-2, 2, 17 * w.shape[1], dtype=torch.float32)
-                probe = probe.reshape(17, w.shape[1]).to(torch.bfloat16)
-                same = torch.equal(F.linear(probe, w, self.bias),
-                                   torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias,
-                                                                      "none", [], ""))
+                packed = pack_weight(w.detach())
+                same = same_as_linear(w.detach(), packed, self.bias)
             if not same:
                 self._packing_failed = True
                 return None
