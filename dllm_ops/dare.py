@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from . import ops
 from .config import REUSE_RULES as RULES, ReuseConfig
 from .stats import DareStats
-from .models.transformer import (apply_rotary, attend_and_project, full_attention, row_mask,
+from .models.transformer import (apply_rotary, attend_rows, full_attention, row_mask,
                                  rows_of)
 from .plan import mask_to_idx
 
@@ -361,7 +361,7 @@ class DareKV(DareReuse):
         # rotated only the recomputed rows, which are kept as written).
         keep = row_mask(rows, Q)[:, :, None, None]
         q = torch.where(keep, q, apply_rotary(q, *call.rope()))
-        return attend_and_project(model, li, layer, q, call)
+        return layer.o(attend_rows(li, q, call))
 
     @staticmethod
     def _write_kv_rows(model, li, layer, a, q, rows, call) -> None:

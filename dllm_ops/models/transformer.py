@@ -291,28 +291,40 @@ class LayerCall:
 def full_attention(model: DiffusionLM, li: int, layer: Block, a: torch.Tensor, call: LayerCall,
                    q: torch.Tensor | None = None) -> torch.Tensor:
     """Every running row projects its query (unless ``q`` is given), K and V,
-    writes K/V into the cache, attends, and applies the output projection."""
+    writes K/V into the cache, attends, and applies the output projection.
+
+    The projections are token-wise (:func:`token_linear`), so the server's fused
+    call runs them once over every decode's rows (dllm_ops/serve/fused.py) and
+    each row still gets these bits."""
+    if q is None:
+        q = token_linear(layer.q, a)
+    pre_o = write_and_attend(model, li, q, token_linear(layer.k, a), token_linear(layer.v, a), call)
+    return token_linear(layer.o, pre_o)
+
+
+def write_and_attend(model: DiffusionLM, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     call: LayerCall) -> torch.Tensor:
+    """The running rows' projections (``[B, Q, ...]``, contiguous rows) rotate and
+    write K/V into the cache and attend; returns the attention output
+    ``[B, Q, H * d]`` before the output projection."""
     c = model.config
     B, Q = call.idx.shape
-    if q is None:
-        q = layer.q(a).view(B, Q, c.n_heads, c.head_dim).contiguous()
-    k = layer.k(a).view(B, Q, c.n_kv_heads, c.head_dim)
-    v = layer.v(a).view(B, Q, c.n_kv_heads, c.head_dim)
-    call.cache.write(li, q, k, v, call.pos, call.table, call.idx)
-    return attend_and_project(model, li, layer, q, call)
+    q = q.view(B, Q, c.n_heads, c.head_dim)
+    call.cache.write(li, q, k.view(B, Q, c.n_kv_heads, c.head_dim),
+                     v.view(B, Q, c.n_kv_heads, c.head_dim), call.pos, call.table, call.idx)
+    return attend_rows(li, q, call)
 
 
-def attend_and_project(model: DiffusionLM, li: int, layer: Block, q: torch.Tensor,
-                       call: LayerCall) -> torch.Tensor:
+def attend_rows(li: int, q: torch.Tensor, call: LayerCall) -> torch.Tensor:
     """Post-RoPE queries ``[B, Q, H, d]`` of the running rows attend over the
-    cache; returns the output projection ``[B, Q, C]`` (attention rows recorded
-    when the call asks for them)."""
+    cache; returns ``[B, Q, H * d]`` (attention rows recorded when the call
+    asks for them)."""
     B, Q = call.idx.shape
     out, probs = call.cache.attend(li, q, call.scale, call.return_probs)
     if call.return_probs:
         call.cache.probs.append(probs)
         call.cache.probs_idx.append(call.idx)
-    return layer.o(out.reshape(B, Q, -1))
+    return out.reshape(B, Q, -1)
 
 
 class FullRecompute:

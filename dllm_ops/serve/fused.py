@@ -8,15 +8,18 @@ own logits rows. :func:`fused_step` runs the pieces of ``DiffusionLM.step``
 (``embed_tokens``, ``layer_call``, ``run_layers``, ``logit_rows``,
 ``logits_at``), split in two kinds:
 
-- **batched over every row**: the RMSNorms, the MLPs and the LM head. Each is
-  a token-wise function of a token's own hidden state and the shared weights,
-  so it runs once over every planned token of every row, packed one after
-  another into ``[1, tokens, C]`` (no padding to the longest plan).
-- **per row**: the embedding gather and the attention branch. Each row runs
-  its own rule (``FULL_RECOMPUTE`` or its own DARE-KV / DARE-O object) with its
-  own ``LayerCall`` (positions, RoPE, its cache, whether its policy records
-  attention rows for d²Cache) on its own tokens, viewed as the ``[B, Q, C]``
-  it has when the row decodes alone.
+- **batched over every row**: the RMSNorms, the MLPs and the LM head, and the
+  q/k/v and output projections of every row without a DARE rule. Each is a
+  token-wise function of a token's own hidden state and the shared weights,
+  so it runs once over every planned token of those rows, packed one after
+  another into ``[1, tokens, C]`` (no padding to the longest plan): one GEMM
+  per weight and call, however many requests run, instead of one per request.
+- **per row**: the embedding gather, the K/V write and the attention over the
+  row's own cache, and a DARE row's whole attention branch. Each row runs
+  with its own ``LayerCall`` (positions, RoPE, its cache, whether its policy
+  records attention rows for d²Cache) on its own tokens, viewed as the
+  ``[B, Q, ...]`` it has when the row decodes alone; a DARE row runs its own
+  DARE-KV / DARE-O object (which projects only the rows it recomputes).
 
 The batching rule that follows: **every running request shares every model
 call, whatever its configuration**. Cache method, DARE, packed storage, reveal
@@ -43,7 +46,7 @@ import torch
 
 from ..decode import Decoder, PendingCall
 from ..layer_timer import NO_TIMER
-from ..models.transformer import FULL_RECOMPUTE, DiffusionLM
+from ..models.transformer import DiffusionLM, full_attention, token_linear, write_and_attend
 from ..plan import KVCache, StepPlan
 
 
@@ -140,6 +143,49 @@ class _PackedTokens:
         return torch.cat(flat)[None]
 
 
+def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor, out: torch.Tensor,
+                            packed: _PackedTokens, full: list[int], calls: dict) -> None:
+    """The attention branch of the parts in ``full`` (no DARE rule: every running
+    row recomputes), written into ``out``: the q/k/v projections run once over
+    all their packed rows, each part writes its K/V and attends on its own
+    cache, and the output projection runs once over all of them. The same
+    ``token_linear`` GEMMs as :func:`full_attention` run alone, so each row gets
+    its own bits; a part whose write or attention raises fails alone."""
+    rows = torch.cat([torch.arange(packed.span(i).start, packed.span(i).stop, device=a.device)
+                      for i in full]) if len(full) < len(packed.parts) else None
+    a_full = a[0] if rows is None else a[0, rows]
+    try:
+        q, k, v = (token_linear(w, a_full) for w in (layer.q, layer.k, layer.v))
+    except Exception:   # noqa: BLE001 -- find the parts that fail alone
+        for i in full:
+            value = packed.guarded(i, lambda: full_attention(model, li, layer, packed.part(a, i), calls[i]))
+            if value is not None:
+                packed.put(out, i, value)
+        return
+    pre_o = torch.zeros((a_full.shape[0], q.shape[-1]), dtype=q.dtype, device=q.device)
+    at, done = 0, []
+    for i in full:
+        n = packed.span(i).stop - packed.span(i).start
+        rows_i = slice(at, at + n)
+        at += n
+        shape = (*packed.parts[i].plan.idx.shape, -1)
+        value = packed.guarded(i, lambda: write_and_attend(
+            model, li, q[rows_i].reshape(shape), k[rows_i].reshape(shape), v[rows_i].reshape(shape),
+            calls[i]))
+        if value is not None:
+            pre_o[rows_i] = value.reshape(n, -1)
+            done.append((i, rows_i))
+    try:
+        o = token_linear(layer.o, pre_o)
+    except Exception:   # noqa: BLE001 -- find the parts that fail alone
+        o = None
+    for i, rows_i in done:
+        value = o[rows_i] if o is not None else packed.guarded(
+            i, lambda: token_linear(layer.o, pre_o[rows_i]))
+        if value is not None:
+            packed.put(out, i, value)
+
+
 @torch.no_grad()
 def fused_step(model: DiffusionLM, parts: list[RowCall]) -> list[torch.Tensor | Exception]:
     """One model call over every part; per part its ``[B_i, P_i, V]`` logits (what
@@ -159,9 +205,13 @@ def fused_step(model: DiffusionLM, parts: list[RowCall]) -> list[torch.Tensor | 
 
     def attention(li, layer, a):
         out = torch.zeros_like(a)
+        full = [i for i in packed.alive() if parts[i].reuse is None]
+        if full:
+            full_recompute_branches(model, li, layer, a, out, packed, full, calls)
         for i in packed.alive():
-            branch = FULL_RECOMPUTE if parts[i].reuse is None else parts[i].reuse
-            value = packed.guarded(i, lambda: branch.attention_branch(
+            if parts[i].reuse is None:
+                continue
+            value = packed.guarded(i, lambda: parts[i].reuse.attention_branch(
                 model, li, layer, packed.part(a, i), calls[i]))
             if value is not None:
                 packed.put(out, i, value)
