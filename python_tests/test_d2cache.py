@@ -307,7 +307,25 @@ def test_bench_mode_spec():
                                                          ("d2cache:k=4", "1/call")]
 
 
-class _ScoresItself(D2Cache):
+class _CheckedConfidence(D2Cache):
+    """d²Cache whose cached confidence is checked after every call against the
+    float64 max probability of the call's rows with only the mask suppressed."""
+    checked = 0
+
+    def _refresh_confidence(self, state, plan, logits):
+        super()._refresh_confidence(state, plan, logits)
+        B, P, V = logits.shape
+        _, want = dllm_ops.reference.token_confidence(logits.reshape(B * P, V).float().cpu(), "prob",
+                                                      0.0, torch.tensor([state.mask_id]))
+        shift = 1 if state.model.config.logit_shift else 0
+        rows = plan.logits_idx.cpu()
+        for b, p in (rows >= 0).nonzero().tolist():
+            got = float(self._conf[b, int(rows[b, p]) + shift])
+            assert abs(got - float(want[b * P + p])) <= 1e-6 * float(want[b * P + p]), (b, p)
+            self.checked += 1
+
+
+class _ScoresItself(_CheckedConfidence):
     """d²Cache that does not ask the loop for the max probability: it scores the
     call's logits rows a second time (the behaviour before issue 37)."""
     wants_max_prob = False
@@ -338,9 +356,11 @@ def test_one_scoring_pass_per_call(request, model_device, monkeypatch, arch, kw)
 
         monkeypatch.setattr(ops, name, counted)
     opts = dict(gen_length=G, block_length=8, steps=G, stop_at_eos=False, **kw)
-    out = dllm_ops.generate(model, PROMPTS[:2], policy=D2Cache(**OPTS), **opts)
+    policy = _CheckedConfidence(**OPTS)
+    out = dllm_ops.generate(model, PROMPTS[:2], policy=policy, **opts)
     nfe = out.stats["nfe"]
     assert len(calls) == nfe, calls
+    assert policy.checked > G
     if kw:
         assert set(calls) == {"token_confidence_max_prob"}
     calls.clear()
