@@ -18,6 +18,9 @@ TORCH_LIBRARY(dllm, m) {
   m.def("cosine_drift(Tensor x, Tensor x_prev) -> Tensor");
   m.def("token_confidence(Tensor logits, str mode=\"prob\", float temperature=0.0, "
         "Tensor? suppress=None, Tensor? noise=None) -> (Tensor token, Tensor score)");
+  m.def("token_confidence_max_prob(Tensor logits, str mode=\"prob\", float temperature=0.0, "
+        "Tensor? suppress=None, Tensor? noise=None, Tensor? max_prob_suppress=None) -> "
+        "(Tensor token, Tensor score, Tensor max_prob)");
   m.def("select_transfer(Tensor score, Tensor candidate, str rule, Tensor? k=None, "
         "float threshold=0.9, float factor=1.0) -> Tensor");
   m.def("certainty_density(Tensor decoded, float sigma=10.0, bool left_known=True, "

@@ -17,7 +17,7 @@ from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / meta)
 from . import ops, reference  # noqa: E402
 from .ops import cosine_drift, has_cuda_kernels  # noqa: E402
 from .ops import (certainty_density, drift_select, drift_select_threshold,  # noqa: E402
-                  select_transfer, token_confidence)  # family: select
+                  select_transfer, token_confidence, token_confidence_max_prob)  # family: select
 from .ops import nucleus_select, rollout_scores  # noqa: E402  (family: rollout)
 from .ops import gather_rows, rope_scatter_kv, scatter_rows, sparse_attention  # noqa: E402  (family: sparse_kv)
 from .ops import (dequantize_k, dequantize_v, k_quant_error, quant_attention,  # noqa: E402
@@ -27,8 +27,8 @@ from . import quant  # noqa: E402
 from . import rope  # noqa: E402
 
 __all__ = ["ops", "reference", "cosine_drift", "has_cuda_kernels"]
-__all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
-            "drift_select_threshold"]
+__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer",
+            "certainty_density", "drift_select", "drift_select_threshold"]
 __all__ += ["rollout_scores", "nucleus_select"]
 __all__ += ["rope", "rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]
 __all__ += ["quant", "quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",

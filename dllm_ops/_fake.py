@@ -26,6 +26,16 @@ def _token_confidence_fake(logits, mode="prob", temperature=0.0, suppress=None, 
     return (logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.float32))
 
 
+@torch.library.register_fake("dllm::token_confidence_max_prob")
+def _token_confidence_max_prob_fake(logits, mode="prob", temperature=0.0, suppress=None, noise=None,
+                                    max_prob_suppress=None):
+    torch._check(logits.dim() == 2,
+                 lambda: "dllm::token_confidence_max_prob: logits must have 2 dims")
+    n = logits.shape[0]
+    return (logits.new_empty((n,), dtype=torch.int64), logits.new_empty((n,), dtype=torch.float32),
+            logits.new_empty((n,), dtype=torch.float32))
+
+
 @torch.library.register_fake("dllm::select_transfer")
 def _select_transfer_fake(score, candidate, rule, k=None, threshold=0.9, factor=1.0):
     torch._check(score.dim() == 2, lambda: "dllm::select_transfer: score must have 2 dims")

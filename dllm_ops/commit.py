@@ -8,6 +8,7 @@ No tensor of block × vocabulary is formed, so a call costs what it recomputes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ class Sampling:
     dream: bool
     suppress: torch.Tensor       # token ids whose logits count as -inf (mask, EOS if suppressed)
     generators: list             # one torch.Generator per row
+    wants_max_prob: bool = False  # the policy reads each row's max probability (Policy.wants_max_prob)
+
+    @functools.cached_property
+    def suppress_ids(self) -> frozenset[int]:
+        """``suppress`` as a set of Python ints (read once per decode, not per call)."""
+        return frozenset(self.suppress.tolist())
 
 
 def dream_filter_logits(logits: torch.Tensor, temperature: float, top_p: float | None,
@@ -147,7 +154,12 @@ def commit_tokens(state: DecodeState, plan: StepPlan, logits, rule: RevealRule,
 def _row_scores(state: DecodeState, logits, mode: str, sampling: Sampling,
                 noise) -> tuple[torch.Tensor, torch.Tensor]:
     """``dllm.token_confidence`` over the call's ``[B*P, V]`` logits rows (Dream's
-    filter first); records them on ``state.last_scores`` for the policy."""
+    filter first); records them on ``state.last_scores`` for the policy.
+
+    A policy that wants each row's max probability with only the mask token
+    suppressed (``sampling.wants_max_prob``, d²Cache) gets it from the same
+    pass: it is the score itself for a greedy "prob" rule suppressing only the
+    mask, else ``dllm.token_confidence_max_prob`` adds it (one pass per call)."""
     B, P, V = logits.shape
     temperature, suppress = sampling.temperature, sampling.suppress
     top_p, top_k = sampling.top_p, sampling.top_k
@@ -162,10 +174,26 @@ def _row_scores(state: DecodeState, logits, mode: str, sampling: Sampling,
         scores = dream_filter_logits(scores, float(temperature), top_p, top_k)
         conf_temperature = 1.0 if temperature > 0 else 0.0
         filtered = temperature > 0 or (top_p is not None and top_p < 1) or top_k is not None
-    token, score = ops.token_confidence(scores, mode, conf_temperature, suppress, noise)
-    max_prob = (mode == "prob" and temperature == 0 and not filtered
-                and suppress.numel() == 1 and int(suppress[0]) == state.mask_id)
-    state.last_scores = LogitRowScores(token.view(B, P), score.view(B, P), max_prob)
+    only_mask = sampling.suppress_ids == {state.mask_id}
+    is_max_prob = mode == "prob" and temperature == 0 and not filtered and only_mask
+    # The max probability over the ids other than the mask is a function of the
+    # raw rows. The op's rows are those rows (converted to float32) except for
+    # Dream: its filter changes the rows (/ T, top-p, top-k), and then the second
+    # quantity is over different inputs, so d²Cache keeps scoring the raw rows
+    # itself. Unfiltered Dream rows differ from the raw ones only at the
+    # suppressed ids, which the max probability leaves out when suppress is
+    # just the mask. max_prob_suppress = [mask] ⊆ suppress is the op's rule.
+    raw_rows = not sampling.dream or (not filtered and only_mask)
+    if (sampling.wants_max_prob and not is_max_prob and raw_rows
+            and state.mask_id in sampling.suppress_ids):
+        keep = torch.tensor([state.mask_id], device=suppress.device)
+        token, score, max_prob = ops.token_confidence_max_prob(scores, mode, conf_temperature,
+                                                               suppress, noise, keep)
+        max_prob = max_prob.view(B, P)
+    else:
+        token, score = ops.token_confidence(scores, mode, conf_temperature, suppress, noise)
+        max_prob = None
+    state.last_scores = LogitRowScores(token.view(B, P), score.view(B, P), is_max_prob, max_prob)
     return token, score
 
 

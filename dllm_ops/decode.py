@@ -138,7 +138,10 @@ class Decoder:
         self.sampling = Sampling(temperature=r.temperature,
                                  remasking=r.remasking if c.arch != "dream" else None,
                                  top_p=r.top_p, top_k=r.top_k, dream=c.arch == "dream",
-                                 suppress=suppress, generators=generators)
+                                 suppress=suppress, generators=generators,
+                                 # a wrapping policy that does not say (bench's
+                                 # call counter) leaves its inner policy scoring itself
+                                 wants_max_prob=getattr(self.policy, "wants_max_prob", False))
         x, valid = _canvas(model, ids, shape.gen_length)
         self.state = DecodeState(model=model, x=x, cache=self.storage.new_cache(model, valid),
                                  gen_start=x.shape[1] - shape.gen_length,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["cosine_drift", "has_cuda_kernels"]
-__all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
+__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer", "certainty_density", "drift_select",
             "drift_select_threshold"]  # family: select
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
@@ -104,6 +104,54 @@ def token_confidence(logits: torch.Tensor, mode: str = "prob", temperature: floa
         skipped and such a row yields token -1 and score NaN.
     """
     return torch.ops.dllm.token_confidence.default(logits, mode, float(temperature), suppress, noise)
+
+
+def token_confidence_max_prob(logits: torch.Tensor, mode: str = "prob", temperature: float = 0.0,
+                              suppress: torch.Tensor | None = None,
+                              noise: torch.Tensor | None = None,
+                              max_prob_suppress: torch.Tensor | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_confidence`` plus each row's max probability over a larger id set, in the same pass.
+
+    ``token`` and ``score`` are exactly ``token_confidence(logits, mode,
+    temperature, suppress, noise)``'s (the same kernel, the same bits).
+    ``max_prob`` is float32 ``[N]``: the largest probability of the *un-noised*,
+    temperature-1 softmax over the ids not in ``max_prob_suppress`` (None: no
+    id suppressed), e.g. d²Cache's confidence (only the mask token
+    suppressed) next to a reveal rule's own score (EOS suppressed too, a
+    margin, a sample).
+
+    It comes from the pass's softmax moments (row max ``m`` and ``S0 = sum
+    e^{x-m}`` over the unsuppressed ids) plus a correction over the ids of
+    ``suppress`` that are not in ``max_prob_suppress`` (the "readmitted"
+    ids, logits ``l_j``): ``m2 = max(m, l_j)``, ``S2 = S0 e^{m-m2} + sum_j
+    e^{l_j-m2}``, ``max_prob = 1 / S2`` (float64, then rounded). So the op
+    needs ``max_prob_suppress ⊆ suppress`` (as sets; duplicates allowed) and
+    reads only the few readmitted logits again. With equal sets (nothing
+    readmitted) ``max_prob`` has the bits of ``token_confidence(logits,
+    "prob", 0.0, suppress)``'s score on the same backend, in every mode and
+    temperature of this call; otherwise it is within float32 rounding of
+    the float64 softmax (``reference.token_confidence_max_prob``).
+
+    Args:
+        logits, mode, temperature, suppress, noise: as ``token_confidence``.
+        max_prob_suppress: optional int64 ``[K]`` ids in ``[0, V)``, each also
+            in ``suppress``, whose logits count as -inf for ``max_prob``.
+
+    Returns:
+        ``token`` int64 ``[N]``, ``score`` float32 ``[N]``, ``max_prob``
+        float32 ``[N]``.
+
+    Raises:
+        RuntimeError ``dllm::token_confidence_max_prob: ...``: every error of
+        ``token_confidence``; a ``max_prob_suppress`` id out of range; ``max_prob_suppress
+        must be a subset of suppress``; a NaN or +inf logit at a readmitted
+        id (``-inf`` is fine: it adds nothing). On CUDA the checks share the
+        one status read-back (a sync); inside CUDA-graph capture they are
+        skipped and a bad row yields ``max_prob`` NaN.
+    """
+    return torch.ops.dllm.token_confidence_max_prob.default(
+        logits, mode, float(temperature), suppress, noise, max_prob_suppress)
 
 
 def select_transfer(score: torch.Tensor, candidate: torch.Tensor, rule: str,

@@ -10,7 +10,7 @@ import torch
 from .packed_layout import packed_k_groups, packed_k_layout
 
 __all__ = ["cosine_drift"]
-__all__ += ["token_confidence", "select_transfer", "certainty_density", "drift_select",
+__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer", "certainty_density", "drift_select",
             "drift_select_threshold"]  # family: select
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
@@ -71,6 +71,24 @@ def token_confidence(logits: torch.Tensor, mode: str, temperature: float = 0.0,
     else:
         raise ValueError(mode)
     return token, score.float()
+
+
+def token_confidence_max_prob(logits: torch.Tensor, mode: str = "prob", temperature: float = 0.0,
+                              suppress: torch.Tensor | None = None,
+                              noise: torch.Tensor | None = None,
+                              max_prob_suppress: torch.Tensor | None = None):
+    """``token_confidence`` and the float64 max probability of ``softmax(logits)``
+    over the ids not in ``max_prob_suppress`` (see
+    ``dllm_ops.ops.token_confidence_max_prob``; the op's rule ``max_prob_suppress
+    ⊆ suppress`` is a property of its one-pass algorithm, not of this definition)."""
+    token, score = token_confidence(logits, mode, temperature, suppress, noise)
+    x = logits.double().clone()
+    if max_prob_suppress is not None and max_prob_suppress.numel() > 0:
+        x[:, max_prob_suppress.long()] = _NEG_INF
+    w = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+    # 1 / (1 + r), r summed without one max element (as token_confidence's p).
+    rest = w.scatter(-1, w.argmax(dim=-1, keepdim=True), 0.0).sum(dim=-1)
+    return token, score, (1.0 / (1.0 + rest)).float()
 
 
 def _rank(key: torch.Tensor, member: torch.Tensor, descending: bool) -> torch.Tensor:

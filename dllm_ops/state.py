@@ -21,6 +21,11 @@ class LogitRowScores:
     #: the score is the max softmax probability with only the mask token
     #: suppressed (rule mode "prob", greedy, no EOS suppression, no Dream filter)
     is_max_prob: bool
+    #: that max probability from the same pass (``dllm.token_confidence_max_prob``)
+    #: when the policy wants it (``Policy.wants_max_prob``) and the score is not
+    #: it; None when the score is, or when the scored rows are not the call's
+    #: logits (Dream's filter)
+    max_prob: torch.Tensor | None = None
 
 
 @dataclass

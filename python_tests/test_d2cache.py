@@ -305,3 +305,66 @@ def test_bench_mode_spec():
     # d2cache rows decode one token per call, like vanilla and the stale diagnostic.
     assert decode_modes(["dual", "d2cache:k=4"], 0.9) == [("none", "1/call"), ("dual", 0.9),
                                                          ("d2cache:k=4", "1/call")]
+
+
+class _CheckedConfidence(D2Cache):
+    """d²Cache whose cached confidence is checked after every call against the
+    float64 max probability of the call's rows with only the mask suppressed."""
+    checked = 0
+
+    def _refresh_confidence(self, state, plan, logits):
+        super()._refresh_confidence(state, plan, logits)
+        B, P, V = logits.shape
+        _, want = dllm_ops.reference.token_confidence(logits.reshape(B * P, V).float().cpu(), "prob",
+                                                      0.0, torch.tensor([state.mask_id]))
+        shift = 1 if state.model.config.logit_shift else 0
+        rows = plan.logits_idx.cpu()
+        for b, p in (rows >= 0).nonzero().tolist():
+            got = float(self._conf[b, int(rows[b, p]) + shift])
+            assert abs(got - float(want[b * P + p])) <= 1e-6 * float(want[b * P + p]), (b, p)
+            self.checked += 1
+
+
+class _ScoresItself(_CheckedConfidence):
+    """d²Cache that does not ask the loop for the max probability: it scores the
+    call's logits rows a second time (the behaviour before issue 37)."""
+    wants_max_prob = False
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("llada", dict(temperature=0.5)),                   # Gumbel sampling: the score is p[sampled]
+    ("llada", dict(suppress_eos=True)),                 # EOS suppressed too: readmitted for max_prob
+    ("dream", dict(alg="topk_margin")),                 # margin rule
+    ("dream", dict(alg="entropy")),                     # neg-entropy rule
+    ("llada", dict()),                                  # greedy prob: the score is the max prob
+], ids=["llada-T0.5", "llada-suppress-eos", "dream-margin", "dream-entropy", "llada-greedy"])
+def test_one_scoring_pass_per_call(request, model_device, monkeypatch, arch, kw):
+    """Issue 37: when the reveal's score is not d²Cache's confidence (a margin or
+    entropy rule, sampling, EOS suppression) the loop's one pass also yields it
+    (dllm.token_confidence_max_prob): one scoring call per model call. The decode is
+    the one of a d²Cache that scores the rows itself (tokens and tokens run)."""
+    from dllm_ops import ops
+
+    model, _ = request.getfixturevalue(arch)
+    calls = []
+    for name in ("token_confidence", "token_confidence_max_prob"):
+        real = getattr(ops, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(ops, name, counted)
+    opts = dict(gen_length=G, block_length=8, steps=G, stop_at_eos=False, **kw)
+    policy = _CheckedConfidence(**OPTS)
+    out = dllm_ops.generate(model, PROMPTS[:2], policy=policy, **opts)
+    nfe = out.stats["nfe"]
+    assert len(calls) == nfe, calls
+    assert policy.checked > G
+    if kw:
+        assert set(calls) == {"token_confidence_max_prob"}
+    calls.clear()
+    itself = dllm_ops.generate(model, PROMPTS[:2], policy=_ScoresItself(**OPTS), **opts)
+    assert len(calls) == (nfe if not kw else 2 * nfe)
+    assert out.tokens.tolist() == itself.tokens.tolist()
+    assert out.stats["recomputed_per_step"] == itself.stats["recomputed_per_step"]

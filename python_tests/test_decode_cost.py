@@ -143,12 +143,14 @@ def test_d2cache_one_block_costs_what_block_32_costs(llada, monkeypatch):
     assert all(c.counts["dllm.token_confidence.default"] == 1 for c in one_block + blocks)
 
 
-def test_d2cache_scores_again_only_what_differs(llada, monkeypatch):
+def test_d2cache_scores_once_when_the_confidence_differs(llada, monkeypatch):
     """With EOS suppressed the reveal's scores are not d²Cache's confidence
-    (which only drops the mask token), so the policy scores the rows itself."""
+    (which only drops the mask token); the loop's one pass yields both
+    (dllm.token_confidence_max_prob, issue 37), so each call still scores once."""
     calls, _ = _decode(llada, monkeypatch, cache="d2cache", d2cache=dict(current_k=4), gen_length=64,
                        block_length=64, steps=32, unmask="topk", suppress_eos=True)
-    assert all(c.counts["dllm.token_confidence.default"] == 2 for c in calls)
+    assert all(c.counts["dllm.token_confidence_max_prob.default"] == 1 for c in calls)
+    assert all(c.counts["dllm.token_confidence.default"] == 0 for c in calls)
 
 
 @pytest.mark.parametrize("cache", ["dual", "prefix", "none"])

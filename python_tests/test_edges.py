@@ -102,6 +102,8 @@ def _op_inputs():
     return {
         "cosine_drift": (x, x + 0.1),
         "token_confidence": (logits, "prob", 1.0, torch.tensor([2]), torch.rand(3, 17, generator=g)),
+        "token_confidence_max_prob": (logits, "prob", 1.0, torch.tensor([2, 5]),
+                                      torch.rand(3, 17, generator=g), torch.tensor([5])),
         "select_transfer": (x, cand, "topk", torch.tensor([1, 2]), 0.9, 1.0),
         "drift_select": (x, cand, 0.5, L),
         "drift_select_threshold": (x, cand, 0.5, L),

@@ -292,6 +292,176 @@ def test_token_confidence_opcheck(backend):
 
 
 # =============================================================================
+# token_confidence_max_prob
+# =============================================================================
+
+def _max_prob_sets(logits, suppress):
+    """(suppress, max_prob_suppress, label) for one input: equal sets, None,
+    readmitting every suppressed id, and a set built here that readmits the
+    row-0 argmax (so m2 > m), the last id and a -inf logit, with duplicates."""
+    x = logits.float()
+    V = x.shape[1]
+    yield suppress, suppress, "equal"
+    if suppress is not None:
+        yield suppress, None, "readmit-all"
+        if suppress.numel() > 2:
+            yield suppress, suppress[:-1].flip(0), "readmit-some"
+    if V >= 3:
+        top = int(x[0].argmax())
+        neg = (x[-1] == NEG_INF).nonzero()
+        extra = [int(neg[0])] if neg.numel() and int(neg[0]) not in (top, 0) else []
+        s = torch.tensor([top, V - 1, top, 0] + extra)
+        if bool(torch.isfinite(x.index_fill(1, s, NEG_INF)).any(1).all()):
+            yield s, torch.tensor([0, 0]), "readmit-top"
+            yield s, s[[1, 0, 3, 2]].flip(0), "equal-permuted"
+    else:
+        yield None, None, "none"
+
+
+def _check_max_prob(backend, logits, mode, temperature, suppress, noise, keep, label):
+    f = op(backend, "token_confidence_max_prob")
+    tc = op(backend, "token_confidence")
+    d = to(backend, logits, suppress, noise, keep)
+    tok, score, max_prob = f(d[0], mode, temperature, d[1], d[2], d[3])
+    assert max_prob.dtype == torch.float32 and max_prob.shape == (logits.shape[0],), label
+    # token and score: token_confidence's bits
+    want_tok, want_score = tc(d[0], mode, temperature, d[1], d[2])
+    assert torch.equal(tok, want_tok), f"{label} {mode} T={temperature}: tokens differ"
+    assert torch.equal(score.view(torch.int32), want_score.view(torch.int32)), \
+        f"{label} {mode} T={temperature}: score bits differ"
+    same = (set() if suppress is None else set(suppress.tolist())) == \
+        (set() if keep is None else set(keep.tolist()))
+    if same:  # nothing readmitted: the bits of the greedy prob score
+        _, prob = tc(d[0], "prob", 0.0, d[1], None)
+        assert torch.equal(max_prob.view(torch.int32), prob.view(torch.int32)), \
+            f"{label} {mode} T={temperature}: max_prob {max_prob} != prob score {prob}"
+    _, _, want = reference.token_confidence_max_prob(logits, mode, temperature, suppress, noise, keep)
+    torch.testing.assert_close(max_prob.cpu(), want, rtol=1e-6, atol=1e-12,
+                               msg=lambda m: f"{label} {mode} T={temperature}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["prob", "margin", "neg_entropy"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_confidence_max_prob_greedy(backend, dtype, mode):
+    """token_confidence_max_prob: token and score are token_confidence's bits;
+    max_prob has the greedy prob score's bits when nothing is readmitted, and
+    the float64 oracle's value otherwise (odd V, ties, -inf, strided rows)."""
+    for logits, suppress, label in confidence_inputs(dtype, seed=4, big=(dtype == torch.bfloat16)):
+        big = logits.shape[1] > 10000
+        for s, keep, how in _max_prob_sets(logits, suppress):
+            if big and how not in ("equal", "readmit-top"):
+                continue
+            _check_max_prob(backend, logits, mode, 0.0, s, None, keep, f"{label} {how}")
+
+
+@pytest.mark.parametrize("temperature,dtype", list(zip([0.3, 1.0, 2.5], DTYPES)))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_confidence_max_prob_gumbel(backend, temperature, dtype):
+    """With Gumbel noise max_prob stays the un-noised, temperature-1 max
+    probability (the greedy prob score's bits with equal sets)."""
+    g = _gen(8)
+    for logits, suppress, label in confidence_inputs(dtype, seed=5, big=False):
+        noise = _gumbel(logits.shape, g)
+        for s, keep, how in _max_prob_sets(logits, suppress):
+            for mode in ["prob", "margin", "neg_entropy"]:
+                _check_max_prob(backend, logits, mode, temperature, s, noise, keep, f"{label} {how}")
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_token_confidence_max_prob_cpu_narrow_isa(monkeypatch, isa):
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    g = _gen(10)
+    for logits, suppress, label in confidence_inputs(torch.bfloat16, seed=6, big=False):
+        noise = _gumbel(logits.shape, g)
+        for s, keep, how in _max_prob_sets(logits, suppress):
+            for mode in ["prob", "neg_entropy"]:
+                _check_max_prob("cpu", logits, mode, 0.0, s, None, keep, f"{isa} {label} {how}")
+                _check_max_prob("cpu", logits, mode, 0.7, s, noise, keep, f"{isa} {label} {how}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_confidence_max_prob_readmitted_logits(backend):
+    """A readmitted id above the row max, one at -inf (adds nothing), and the
+    closed form against a softmax over the kept ids."""
+    f = op(backend, "token_confidence_max_prob")
+    x = torch.tensor([[0.0, 1.0, 2.0, 5.0, NEG_INF], [3.0, 0.5, NEG_INF, -1.0, 0.0]])
+    s, keep = torch.tensor([3, 4, 2, 3]), torch.tensor([2])
+    tok, score, mp = f(*to(backend, x), "margin", 0.0, *to(backend, s, None, keep))
+    want = torch.softmax(x.double().index_fill(1, keep, NEG_INF), -1).max(-1).values.float()
+    torch.testing.assert_close(mp.cpu(), want, rtol=1e-6, atol=0)
+    assert tok.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_confidence_max_prob_bad_readmitted_logit(backend):
+    """NaN / +inf at a readmitted id is an error (as at an unsuppressed id);
+    at an id max_prob_suppress keeps suppressed it is never read."""
+    f = op(backend, "token_confidence_max_prob")
+    x = torch.randn(3, 40)
+    x[1, 9] = float("nan")
+    s = torch.tensor([9, 4])
+    with pytest.raises(RuntimeError, match=r"dllm::token_confidence_max_prob: logits row 1 contains "
+                                           r"NaN at id 9, which max_prob counts"):
+        f(*to(backend, x), "prob", 0.0, *to(backend, s, None, torch.tensor([4])))
+    tok, score, mp = f(*to(backend, x), "prob", 0.0, *to(backend, s, None, torch.tensor([9])))
+    _, _, want = reference.token_confidence_max_prob(x, "prob", 0.0, s, None, torch.tensor([9]))
+    torch.testing.assert_close(mp.cpu(), want, rtol=1e-6, atol=0)
+    y = torch.randn(2, 40)
+    y[0, 4] = float("inf")
+    with pytest.raises(RuntimeError, match=r"dllm::token_confidence_max_prob: logits row 0 contains "
+                                           r"\+inf at id 4"):
+        f(*to(backend, y), "neg_entropy", 0.0, *to(backend, s, None, torch.tensor([9])))
+    # the errors of token_confidence, under this op's name
+    z = torch.randn(2, 40)
+    z[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match=r"dllm::token_confidence_max_prob: logits row 1 contains NaN "
+                                           r"\(at an id that is not suppressed\)"):
+        f(*to(backend, z), "prob", 0.0, *to(backend, s, None, s))
+
+
+def _bad_max_prob_cases():
+    x = torch.randn(3, 10)
+    s = torch.tensor([1, 4, 4])
+    return [
+        ((x, s, torch.tensor([2])), r"max_prob_suppress must be a subset of suppress \(id 2"),
+        ((x, None, torch.tensor([1])), r"max_prob_suppress must be a subset of suppress"),
+        ((x, s, torch.tensor([4, 1, 7])), r"max_prob_suppress must be a subset of suppress \(id 7"),
+        ((x, s, torch.tensor([10])), r"max_prob_suppress ids must be in \[0, V\) = \[0, 10\), got 10"),
+        ((x, s, torch.tensor([-1])), r"max_prob_suppress ids must be in \[0, V\) = \[0, 10\), got -1"),
+        ((x, s, torch.tensor([1], dtype=torch.int32)), "max_prob_suppress must be Long"),
+        ((x, s, torch.tensor([[1]])), "max_prob_suppress must have 1 dims"),
+        ((x, torch.tensor([11]), torch.tensor([11])), r"suppress ids must be in \[0, V\)"),
+        ((torch.randn(3), s, s), "must have 2 dims"),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(len(_bad_max_prob_cases())))
+def test_token_confidence_max_prob_bad_input(backend, case):
+    (x, s, keep), msg = _bad_max_prob_cases()[case]
+    f = op(backend, "token_confidence_max_prob")
+    with pytest.raises(RuntimeError, match=rf"dllm::token_confidence_max_prob: .*{msg}"):
+        f(*to(backend, x), "prob", 0.0, *to(backend, s, None, keep))
+    with pytest.raises(RuntimeError, match=r"dllm::token_confidence_max_prob: mode must be"):
+        f(*to(backend, torch.randn(2, 5)), "entropy", 0.0, None, None, None)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_token_confidence_max_prob_opcheck(backend):
+    op(backend, "token_confidence_max_prob")
+    g = _gen(12)
+    x = torch.randn(6, 300, generator=g)
+    noise = _gumbel(x.shape, g)
+    s = torch.tensor([3, 4, 250])
+    for args in [(x, "prob", 0.0, None, None, None), (x, "margin", 0.0, s, None, torch.tensor([4])),
+                 (x.bfloat16(), "neg_entropy", 0.7, s, noise, s)]:
+        d = to(backend, args[0], args[3], args[4], args[5])
+        opcheck(torch.ops.dllm.token_confidence_max_prob.default,
+                (d[0], args[1], args[2], d[1], d[2], d[3]))
+
+
+# =============================================================================
 # select_transfer
 # =============================================================================
 

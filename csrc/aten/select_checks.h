@@ -27,21 +27,34 @@ inline void check_cosine_drift(const at::Tensor& x, const at::Tensor& x_prev) {
   DLLM_CHECK(x.size(-1) > 0, op, "the feature dim D must be > 0, got shape ", x.sizes());
 }
 
-// ---- token_confidence ---------------------------------------------------------
+// ---- token_confidence / token_confidence_max_prob ---------------------------------
+// The two ops share one kernel, so they share these checks; `op` names the
+// one called (its messages start with dllm::<op>:).
 
-inline math::ConfMode parse_conf_mode(c10::string_view mode) {
+inline math::ConfMode parse_conf_mode(c10::string_view mode,
+                                      const char* op = "token_confidence") {
   return parse_choice<math::ConfMode>(
-      "token_confidence", "mode", mode,
+      op, "mode", mode,
       {{"prob", math::kConfProb}, {"margin", math::kConfMargin},
        {"neg_entropy", math::kConfNegEntropy}});
 }
 
-// Shapes, dtypes and devices; values (NaN, suppress range) are checked by the
-// kernels, which report through raise_token_confidence_status.
+// An optional int64 [S] id list of the op (suppress, max_prob_suppress).
+inline void check_id_list(const char* op, const at::Tensor& logits,
+                          const std::optional<at::Tensor>& ids, const char* name) {
+  if (!ids) return;
+  check_dtype(op, *ids, name, at::kLong);
+  check_dim(op, *ids, name, 1);
+  check_same_device(op, logits, "logits", *ids, name);
+}
+
+// Shapes, dtypes and devices; values (NaN, suppress range, the subset rule)
+// are checked by the kernels, which report through raise_token_confidence_status.
 inline void check_token_confidence(const at::Tensor& logits, double temperature,
                                    const std::optional<at::Tensor>& suppress,
-                                   const std::optional<at::Tensor>& noise) {
-  constexpr const char* op = "token_confidence";
+                                   const std::optional<at::Tensor>& noise,
+                                   const char* op = "token_confidence",
+                                   const std::optional<at::Tensor>& max_prob_suppress = {}) {
   check_dim(op, logits, "logits ([N, V])", 2);
   check_floating(op, logits, "logits");
   DLLM_CHECK(logits.size(1) > 0, op, "the vocabulary dim V must be > 0, got shape ",
@@ -49,11 +62,8 @@ inline void check_token_confidence(const at::Tensor& logits, double temperature,
   DLLM_CHECK(logits.size(1) < INT32_MAX, op, "V must be < 2^31 - 1, got ", logits.size(1));
   DLLM_CHECK(std::isfinite(temperature) && temperature >= 0, op,
              "temperature must be finite and >= 0, got ", temperature);
-  if (suppress) {
-    check_dtype(op, *suppress, "suppress", at::kLong);
-    check_dim(op, *suppress, "suppress", 1);
-    check_same_device(op, logits, "logits", *suppress, "suppress");
-  }
+  check_id_list(op, logits, suppress, "suppress");
+  check_id_list(op, logits, max_prob_suppress, "max_prob_suppress");
   if (temperature > 0) {
     DLLM_CHECK(noise.has_value(), op,
                "temperature > 0 needs the Gumbel noise `noise` (same shape as logits)");
@@ -68,15 +78,28 @@ inline void check_token_confidence(const at::Tensor& logits, double temperature,
   }
 }
 
+// The ids in `suppress` that are not in `max_prob_suppress` (token_confidence_max_prob's
+// readmitted ids), on the CPU; undefined / empty tensors are empty sets.
+inline at::Tensor readmitted_ids_cpu(const std::optional<at::Tensor>& suppress,
+                                     const std::optional<at::Tensor>& max_prob_suppress) {
+  if (!suppress || suppress->numel() == 0) return at::empty({0}, at::kLong);
+  const auto s = suppress->cpu();
+  if (!max_prob_suppress || max_prob_suppress->numel() == 0) return s;
+  return s.index({at::logical_not(at::isin(s, max_prob_suppress->cpu()))});
+}
+
 // Error path (math::ConfidenceStatus bits; never taken on valid input): says
 // which id / row is bad and why. Runs on CPU copies, so the CPU and CUDA
 // backends raise the same message. `score` may be undefined when only the
-// suppress ids were checked.
+// id lists were checked; `max_prob` is token_confidence_max_prob's output
+// (undefined for token_confidence), a row with a NaN there is bad too.
 inline void raise_token_confidence_status(int status, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& suppress,
                                           const std::optional<at::Tensor>& noise,
-                                          const at::Tensor& score) {
-  constexpr const char* op = "token_confidence";
+                                          const at::Tensor& score,
+                                          const char* op = "token_confidence",
+                                          const std::optional<at::Tensor>& max_prob_suppress = {},
+                                          const at::Tensor& max_prob = at::Tensor()) {
   if (status == 0) return;
   const int64_t V = logits.size(1);
   at::Tensor ids;
@@ -86,10 +109,26 @@ inline void raise_token_confidence_status(int status, const at::Tensor& logits,
     DLLM_CHECK(bad.size(0) == 0, op, "suppress ids must be in [0, V) = [0, ", V, "), got ",
                ids[bad[0][0].item<int64_t>()].item<int64_t>());
   }
-  const auto rows = score.isnan().nonzero();
+  if (max_prob_suppress) {
+    const auto keep = max_prob_suppress->cpu();
+    const auto bad = at::logical_or(keep.lt(0), keep.ge(V)).nonzero();
+    DLLM_CHECK(bad.size(0) == 0, op, "max_prob_suppress ids must be in [0, V) = [0, ", V,
+               "), got ", keep[bad[0][0].item<int64_t>()].item<int64_t>());
+    const auto outside = (suppress ? at::logical_not(at::isin(keep, ids))
+                                   : at::ones_like(keep, keep.options().dtype(at::kBool)))
+                             .nonzero();
+    DLLM_CHECK(outside.size(0) == 0, op, "max_prob_suppress must be a subset of suppress (id ",
+               outside.size(0) ? keep[outside[0][0].item<int64_t>()].item<int64_t>() : 0,
+               " is not suppressed)");
+  }
+  DLLM_CHECK(score.defined(), op, "internal error: status ", status, " without a bad id");
+  auto bad_rows = score.isnan();
+  if (max_prob.defined()) bad_rows = at::logical_or(bad_rows, max_prob.isnan());
+  const auto rows = bad_rows.nonzero();
   DLLM_CHECK(rows.size(0) > 0, op, "internal error: a kernel flagged bad input but no row is bad");
   const int64_t r = rows[0][0].item<int64_t>();
-  auto x = logits[r].to(at::kCPU, at::kFloat).clone();
+  const auto raw = logits[r].to(at::kCPU, at::kFloat);
+  auto x = raw.clone();
   if (suppress) x.index_fill_(0, ids, -std::numeric_limits<float>::infinity());
   DLLM_CHECK(!x.isnan().any().item<bool>(), op, "logits row ", r,
              " contains NaN (at an id that is not suppressed)");
@@ -101,6 +140,16 @@ inline void raise_token_confidence_status(int status, const at::Tensor& logits,
     const auto g = (*noise)[r].cpu();
     DLLM_CHECK(!at::logical_and(g.isnan(), x.isfinite()).any().item<bool>(), op, "noise row ",
                r, " contains NaN");
+  }
+  if (max_prob.defined()) {
+    const auto again = readmitted_ids_cpu(suppress, max_prob_suppress);
+    const auto l = raw.index_select(0, again);
+    const auto bad = at::logical_or(l.isnan(), l.isposinf()).nonzero();
+    DLLM_CHECK(bad.size(0) == 0, op, "logits row ", r, " contains ",
+               bad.size(0) ? (l[bad[0][0].item<int64_t>()].isnan().item<bool>() ? "NaN" : "+inf")
+                           : "",
+               " at id ", bad.size(0) ? again[bad[0][0].item<int64_t>()].item<int64_t>() : 0,
+               ", which max_prob counts (in suppress, not in max_prob_suppress)");
   }
   DLLM_CHECK(false, op, "logits row ", r, " is invalid");
 }

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -31,9 +32,12 @@ namespace m = dllm::math;
 // with the code below come first.
 // ============================================================================
 
-// Ids to suppress, sorted and unique, all in [0, V).
+// Ids to suppress, sorted and unique, all in [0, V); `readmit`: those that
+// token_confidence_max_prob's max probability counts (suppress \ max_prob_suppress),
+// sorted, unique (empty for token_confidence).
 struct SuppressList {
   std::vector<int64_t> ids;
+  std::vector<int64_t> readmit;
 };
 
 struct ConfRow {
@@ -72,32 +76,56 @@ at::Tensor cosine_drift_cpu(const at::Tensor& x, const at::Tensor& x_prev) {
 // token_confidence
 // ============================================================================
 
-std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits,
-                                                        c10::string_view mode, double temperature,
-                                                        const std::optional<at::Tensor>& suppress,
-                                                        const std::optional<at::Tensor>& noise) {
-  check_token_confidence(logits, temperature, suppress, noise);
-  const int conf_mode = parse_conf_mode(mode);
-  const cpu::Isa isa = cpu::active_isa("token_confidence");
+// Sorted unique ids of an id list; an id outside [0, V) raises `bad_bit`.
+std::vector<int64_t> sorted_ids(const char* op, const at::Tensor& logits,
+                                const std::optional<at::Tensor>& suppress,
+                                const std::optional<at::Tensor>& noise,
+                                const std::optional<at::Tensor>& max_prob_suppress,
+                                const std::optional<at::Tensor>& list, int bad_bit) {
+  std::vector<int64_t> out;
+  if (!list) return out;
+  const int64_t V = logits.size(1);
+  const auto ids = list->contiguous();
+  const int64_t* p = ids.const_data_ptr<int64_t>();
+  out.assign(p, p + ids.numel());
+  for (int64_t id : out)
+    if (id < 0 || id >= V)
+      raise_token_confidence_status(bad_bit, logits, suppress, noise, at::Tensor(), op,
+                                    max_prob_suppress);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// token_confidence, and with want_max_prob token_confidence_max_prob: one pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> confidence_cpu(
+    const char* op, const at::Tensor& logits, c10::string_view mode, double temperature,
+    const std::optional<at::Tensor>& suppress, const std::optional<at::Tensor>& noise,
+    bool want_max_prob, const std::optional<at::Tensor>& max_prob_suppress) {
+  check_token_confidence(logits, temperature, suppress, noise, op, max_prob_suppress);
+  const int conf_mode = parse_conf_mode(mode, op);
+  const cpu::Isa isa = cpu::active_isa(op);
   const int64_t N = logits.size(0), V = logits.size(1);
   // Rows may be strided (a view into [B, L, V] logits); the vocab dim must be dense.
   const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
   at::Tensor g;
   if (noise) g = noise->stride(1) == 1 ? *noise : noise->contiguous();
   SuppressList sup;
-  if (suppress) {
-    const auto ids = suppress->contiguous();
-    const int64_t* p = ids.const_data_ptr<int64_t>();
-    sup.ids.assign(p, p + ids.numel());
-    for (int64_t id : sup.ids)
-      if (id < 0 || id >= V)
-        raise_token_confidence_status(math::kConfBadSuppressId, logits, suppress, noise,
-                                      at::Tensor());
-    std::sort(sup.ids.begin(), sup.ids.end());
-    sup.ids.erase(std::unique(sup.ids.begin(), sup.ids.end()), sup.ids.end());
+  sup.ids = sorted_ids(op, logits, suppress, noise, max_prob_suppress, suppress,
+                       math::kConfBadSuppressId);
+  if (want_max_prob) {
+    const std::vector<int64_t> keep = sorted_ids(op, logits, suppress, noise, max_prob_suppress,
+                                                 max_prob_suppress, math::kConfBadMaxProbId);
+    if (!std::includes(sup.ids.begin(), sup.ids.end(), keep.begin(), keep.end()))
+      raise_token_confidence_status(math::kConfMaxProbNotSubset, logits, suppress, noise,
+                                    at::Tensor(), op, max_prob_suppress);
+    std::set_difference(sup.ids.begin(), sup.ids.end(), keep.begin(), keep.end(),
+                        std::back_inserter(sup.readmit));
   }
   auto token = at::empty({N}, logits.options().dtype(at::kLong));
   auto score = at::empty({N}, logits.options().dtype(at::kFloat));
+  at::Tensor max_prob;
+  if (want_max_prob) max_prob = at::empty({N}, logits.options().dtype(at::kFloat));
   cpu::FaultBits faults;
   const bool noisy = temperature > 0;
   DLLM_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "dllm::token_confidence", [&] {
@@ -106,20 +134,39 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits
     const int64_t ld = x.stride(0), nld = noisy ? g.stride(0) : 0;
     int64_t* token_p = token.mutable_data_ptr<int64_t>();
     float* score_p = score.mutable_data_ptr<float>();
+    float* max_prob_p = want_max_prob ? max_prob.mutable_data_ptr<float>() : nullptr;
     math::with_confidence_mode(conf_mode, [&](auto mode) {
       constexpr int kMode = decltype(mode)::value;
       if (noisy)
         DLLM_ISA_CALL(isa, confidence_rows<scalar_t, kMode, true>(logits_p, ld, N, V, noise_p, nld,
                                                                   temperature, sup, token_p,
-                                                                  score_p, &faults));
+                                                                  score_p, max_prob_p, &faults));
       else
         DLLM_ISA_CALL(isa, confidence_rows<scalar_t, kMode, false>(logits_p, ld, N, V, noise_p, nld,
                                                                    temperature, sup, token_p,
-                                                                   score_p, &faults));
+                                                                   score_p, max_prob_p, &faults));
     });
   });
-  raise_token_confidence_status(faults.get(), logits, suppress, noise, score);
-  return {token, score};
+  raise_token_confidence_status(faults.get(), logits, suppress, noise, score, op,
+                                max_prob_suppress, max_prob);
+  return {token, score, max_prob};
+}
+
+std::tuple<at::Tensor, at::Tensor> token_confidence_cpu(const at::Tensor& logits,
+                                                        c10::string_view mode, double temperature,
+                                                        const std::optional<at::Tensor>& suppress,
+                                                        const std::optional<at::Tensor>& noise) {
+  const auto out =
+      confidence_cpu("token_confidence", logits, mode, temperature, suppress, noise, false, {});
+  return {std::get<0>(out), std::get<1>(out)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_confidence_max_prob_cpu(
+    const at::Tensor& logits, c10::string_view mode, double temperature,
+    const std::optional<at::Tensor>& suppress, const std::optional<at::Tensor>& noise,
+    const std::optional<at::Tensor>& max_prob_suppress) {
+  return confidence_cpu("token_confidence_max_prob", logits, mode, temperature, suppress, noise,
+                        true, max_prob_suppress);
 }
 
 // ============================================================================
@@ -349,6 +396,7 @@ DriftSelectResult drift_select_cpu(const DriftRule& rule, const at::Tensor& drif
 TORCH_LIBRARY_IMPL(dllm, CPU, m) {
   m.impl("cosine_drift", &cosine_drift_cpu);
   m.impl("token_confidence", &token_confidence_cpu);
+  m.impl("token_confidence_max_prob", &token_confidence_max_prob_cpu);
   m.impl("select_transfer", &select_transfer_cpu);
   m.impl("certainty_density", &certainty_density_cpu);
   m.impl("drift_select", &drift_select_op<drift_select_cpu>);

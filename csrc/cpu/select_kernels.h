@@ -306,10 +306,13 @@ float neg_entropy_eps_pass(const T* __restrict__ x, int64_t V, const math::Softm
   return total - comp;
 }
 
+// token_confidence's rows; with `max_prob` (token_confidence_max_prob) also
+// each row's max probability with sup.readmit's ids counted again, from the
+// same pass's moments (math::readmitted_max_prob).
 template <typename T, int kMode, bool kNoisy>
 void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const float* noise,
                      int64_t nld, double temperature, const SuppressList& sup, int64_t* token,
-                     float* score, cpu::FaultBits* faults) {
+                     float* score, float* max_prob, cpu::FaultBits* faults) {
   at::parallel_for(0, N, cpu::grain_items(cpu::kGrainStreamElems, V),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -322,6 +325,14 @@ void confidence_rows(const T* logits, int64_t ld, int64_t N, int64_t V, const fl
       token[r] = math::confidence_token(row.st, kNoisy, row.na);
       score[r] = math::confidence_score(row.st, kMode, kNoisy, row.na, eps_sum);
       if (!math::softmax_top_ok(row.st)) faults->add(math::kConfBadRow);
+      if (max_prob != nullptr) {
+        const int64_t* again = sup.readmit.data();
+        const float mp = math::readmitted_max_prob(
+            row.st, static_cast<int64_t>(sup.readmit.size()),
+            [&](int64_t j) { return static_cast<float>(x[again[j]]); });
+        max_prob[r] = mp;
+        if (mp != mp) faults->add(math::kConfBadRow);
+      }
     }
   });
 }

@@ -28,13 +28,13 @@ at::Tensor cosine_drift_cuda(const at::Tensor& x, const at::Tensor& x_prev) {
 
 // ---- token_confidence ------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor> token_confidence_cuda(const at::Tensor& logits,
-                                                         c10::string_view mode, double temperature,
-                                                         const std::optional<at::Tensor>& suppress,
-                                                         const std::optional<at::Tensor>& noise) {
-  constexpr const char* op = "token_confidence";
-  check_token_confidence(logits, temperature, suppress, noise);
-  const int conf_mode = parse_conf_mode(mode);
+// token_confidence, and with want_max_prob token_confidence_max_prob: one pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> confidence_cuda(
+    const char* op, const at::Tensor& logits, c10::string_view mode, double temperature,
+    const std::optional<at::Tensor>& suppress, const std::optional<at::Tensor>& noise,
+    bool want_max_prob, const std::optional<at::Tensor>& max_prob_suppress) {
+  check_token_confidence(logits, temperature, suppress, noise, op, max_prob_suppress);
+  const int conf_mode = parse_conf_mode(mode, op);
   DLLM_CUDA_ENTER(op, logits, "logits");
   const int64_t N = logits.size(0), V = logits.size(1);
   check_launch_rows(op, N);
@@ -45,16 +45,37 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cuda(const at::Tensor& logit
   auto score = at::empty({N}, logits.options().dtype(at::kFloat));
   StatusWord status(logits);
   const auto stream = DLLM_CUDA_STREAM();
-  at::Tensor bits;
-  if (suppress && suppress->numel() > 0) {
-    const auto ids = suppress->contiguous();
+  // The V-bit mask of an id list (undefined when the list is absent or empty).
+  auto id_bits = [&](const std::optional<at::Tensor>& list, int bad_id_status) {
+    at::Tensor bits;
+    if (!list || list->numel() == 0) return bits;
+    const auto ids = list->contiguous();
     bits = at::zeros({(V + 31) / 32}, logits.options().dtype(at::kInt));
     cuda::launch_suppress_bits(
         {.ids = ids.const_data_ptr<int64_t>(), .n = ids.numel(), .V = V,
          .bits = reinterpret_cast<unsigned*>(bits.mutable_data_ptr<int32_t>()),
-         .status = status.data()},
+         .status = status.data(), .bad_id_status = bad_id_status},
         stream);
     DLLM_CUDA_LAUNCH_CHECK();
+    return bits;
+  };
+  const at::Tensor bits = id_bits(suppress, math::kConfBadSuppressId);
+  at::Tensor max_prob, readmit, readmit_count;
+  if (want_max_prob) {
+    max_prob = at::empty({N}, logits.options().dtype(at::kFloat));
+    const at::Tensor keep = id_bits(max_prob_suppress, math::kConfBadMaxProbId);
+    if (bits.defined() || keep.defined()) {
+      readmit = at::empty({std::max<int64_t>(bits.defined() ? suppress->numel() : 0, 1)},
+                          logits.options().dtype(at::kInt));
+      readmit_count = at::empty({1}, logits.options().dtype(at::kInt));
+      cuda::launch_readmit_ids(
+          {.suppress_bits = reinterpret_cast<const unsigned*>(optional_ptr<int32_t>(bits)),
+           .keep_bits = reinterpret_cast<const unsigned*>(optional_ptr<int32_t>(keep)), .V = V,
+           .ids = readmit.mutable_data_ptr<int32_t>(),
+           .count = readmit_count.mutable_data_ptr<int32_t>(), .status = status.data()},
+          stream);
+      DLLM_CUDA_LAUNCH_CHECK();
+    }
   }
   DLLM_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "dllm::token_confidence", [&] {
     cuda::launch_token_confidence<kernel_t<scalar_t>>(
@@ -63,12 +84,32 @@ std::tuple<at::Tensor, at::Tensor> token_confidence_cuda(const at::Tensor& logit
          .noise = optional_ptr<float>(g), .noise_row_stride = noise ? g.stride(0) : 0,
          .suppress_bits = reinterpret_cast<const unsigned*>(optional_ptr<int32_t>(bits)),
          .token = token.mutable_data_ptr<int64_t>(), .score = score.mutable_data_ptr<float>(),
-         .status = status.data()},
+         .status = status.data(), .readmit_ids = optional_ptr<int32_t>(readmit),
+         .readmit_count = optional_ptr<int32_t>(readmit_count),
+         .max_prob = want_max_prob ? max_prob.mutable_data_ptr<float>() : nullptr},
         stream);
   });
   DLLM_CUDA_LAUNCH_CHECK();
-  raise_token_confidence_status(status.read()[0], logits, suppress, noise, score);
-  return {token, score};
+  raise_token_confidence_status(status.read()[0], logits, suppress, noise, score, op,
+                                max_prob_suppress, max_prob);
+  return {token, score, max_prob};
+}
+
+std::tuple<at::Tensor, at::Tensor> token_confidence_cuda(const at::Tensor& logits,
+                                                         c10::string_view mode, double temperature,
+                                                         const std::optional<at::Tensor>& suppress,
+                                                         const std::optional<at::Tensor>& noise) {
+  const auto out =
+      confidence_cuda("token_confidence", logits, mode, temperature, suppress, noise, false, {});
+  return {std::get<0>(out), std::get<1>(out)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_confidence_max_prob_cuda(
+    const at::Tensor& logits, c10::string_view mode, double temperature,
+    const std::optional<at::Tensor>& suppress, const std::optional<at::Tensor>& noise,
+    const std::optional<at::Tensor>& max_prob_suppress) {
+  return confidence_cuda("token_confidence_max_prob", logits, mode, temperature, suppress, noise,
+                         true, max_prob_suppress);
 }
 
 // ---- select_transfer -------------------------------------------------------------
@@ -158,6 +199,7 @@ DriftSelectResult drift_select_cuda(const DriftRule& rule, const at::Tensor& dri
 DLLM_CUDA_LIBRARY(m) {
   DLLM_CUDA_REGISTER(m, "cosine_drift", cosine_drift_cuda);
   DLLM_CUDA_REGISTER(m, "token_confidence", token_confidence_cuda);
+  DLLM_CUDA_REGISTER(m, "token_confidence_max_prob", token_confidence_max_prob_cuda);
   DLLM_CUDA_REGISTER(m, "select_transfer", select_transfer_cuda);
   DLLM_CUDA_REGISTER(m, "certainty_density", certainty_density_cuda);
   DLLM_CUDA_REGISTER(m, "drift_select", drift_select_op<drift_select_cuda>);

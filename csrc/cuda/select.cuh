@@ -188,14 +188,16 @@ constexpr int kConfUnroll = 4;
 inline int confidence_block_threads(int64_t V) { return V <= 2048 ? 128 : kSelectMaxThreads; }
 
 // Marks the suppressed ids in a V-bit mask; an id outside [0, V) sets
-// math::kConfBadSuppressId and is skipped.
+// `bad_id_status` (math::kConfBadSuppressId, or kConfBadMaxProbId for
+// max_prob_suppress) and is skipped.
 __global__ void suppress_bits_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t V,
-                                     unsigned* __restrict__ bits, int* __restrict__ status) {
+                                     unsigned* __restrict__ bits, int* __restrict__ status,
+                                     int bad_id_status) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t id = ids[j];
     if (id < 0 || id >= V) {
-      atomicOr(status, math::kConfBadSuppressId);
+      atomicOr(status, bad_id_status);
       continue;
     }
     atomicOr(&bits[id >> 5], 1u << (id & 31));
@@ -207,6 +209,7 @@ struct SuppressBitsParams {
   int64_t n, V;
   unsigned* bits;      // ceil(V / 32) words, zeroed
   int* status;         // math::ConfidenceStatus bits
+  int bad_id_status = math::kConfBadSuppressId;  // the bit an id outside [0, V) sets
 };
 
 constexpr int kSuppressThreads = 128;
@@ -217,7 +220,50 @@ inline void launch_suppress_bits(const SuppressBitsParams& p, stream_t stream) {
   const int64_t blocks = (p.n + kSuppressThreads - 1) / kSuppressThreads;
   DLLM_LAUNCH(suppress_bits_kernel,
               dim3(static_cast<unsigned>(blocks < kSuppressMaxBlocks ? blocks : kSuppressMaxBlocks)),
-              dim3(kSuppressThreads), 0, stream, p.ids, p.n, p.V, p.bits, p.status);
+              dim3(kSuppressThreads), 0, stream, p.ids, p.n, p.V, p.bits, p.status,
+              p.bad_id_status);
+}
+
+// token_confidence_max_prob: the readmitted ids (suppressed, not in
+// max_prob_suppress: suppress_bits & ~keep_bits), ascending, compacted by one
+// block over the ceil(V / 32) mask words; and the subset rule (a keep bit
+// outside suppress_bits sets math::kConfMaxProbNotSubset). Either mask may be
+// null (an empty set).
+__global__ void readmit_ids_kernel(const unsigned* __restrict__ suppress_bits,
+                                   const unsigned* __restrict__ keep_bits, int32_t words,
+                                   int32_t* __restrict__ ids, int32_t* __restrict__ count,
+                                   int* __restrict__ status) {
+  __shared__ int scratch[kWarp];
+  int32_t base = 0;
+  for (int32_t w0 = 0; w0 < words; w0 += blockDim.x) {  // uniform trip count over the block
+    const int32_t w = w0 + static_cast<int32_t>(threadIdx.x);
+    unsigned extra = 0u;
+    if (w < words) {
+      const unsigned s = suppress_bits != nullptr ? suppress_bits[w] : 0u;
+      const unsigned k = keep_bits != nullptr ? keep_bits[w] : 0u;
+      if (k & ~s) atomicOr(status, math::kConfMaxProbNotSubset);
+      extra = s & ~k;
+    }
+    int total;
+    int32_t out = base + block_exclusive_scan(__popc(extra), scratch, &total);
+    for (; extra != 0u; extra &= extra - 1u) ids[out++] = w * 32 + (__ffs(static_cast<int>(extra)) - 1);
+    base += total;
+  }
+  if (threadIdx.x == 0) *count = base;
+}
+
+struct ReadmitIdsParams {
+  const unsigned* suppress_bits;  // from launch_suppress_bits, or null (nothing suppressed)
+  const unsigned* keep_bits;      // max_prob_suppress's mask, or null (empty)
+  int64_t V;
+  int32_t* ids;                   // capacity: the number of suppress ids (>= the readmitted)
+  int32_t* count;                 // [1]: how many ids were written
+  int* status;                    // math::kConfMaxProbNotSubset
+};
+
+inline void launch_readmit_ids(const ReadmitIdsParams& p, stream_t stream) {
+  DLLM_LAUNCH(readmit_ids_kernel, dim3(1), dim3(kSelectMaxThreads), 0, stream, p.suppress_bits,
+              p.keep_bits, static_cast<int32_t>((p.V + 31) / 32), p.ids, p.count, p.status);
 }
 
 template <typename T, int kMode, bool kNoisy>
@@ -225,7 +271,10 @@ __global__ void token_confidence_kernel(const T* __restrict__ logits, int64_t ld
                                         double temperature, const float* __restrict__ noise,
                                         int64_t nld, const unsigned* __restrict__ suppress_bits,
                                         int64_t* __restrict__ token, float* __restrict__ score,
-                                        int* __restrict__ status) {
+                                        int* __restrict__ status,
+                                        const int32_t* __restrict__ readmit_ids,
+                                        const int32_t* __restrict__ readmit_count,
+                                        float* __restrict__ max_prob) {
   __shared__ math::SoftmaxTop states[kSelectMaxThreads];
   __shared__ math::NoisyArgmax noisy[kNoisy ? kSelectMaxThreads : 1];
   __shared__ float warp_part[kWarp];
@@ -309,6 +358,13 @@ __global__ void token_confidence_kernel(const T* __restrict__ logits, int64_t ld
     token[row] = math::confidence_token(total, kNoisy, best);
     score[row] = math::confidence_score(total, kMode, kNoisy, best, eps_sum);
     if (!math::softmax_top_ok(total)) atomicOr(status, math::kConfBadRow);
+    if (max_prob != nullptr) {  // token_confidence_max_prob: the few readmitted ids, in order
+      const int64_t n = readmit_count != nullptr ? *readmit_count : 0;
+      const float mp = math::readmitted_max_prob(
+          total, n, [&](int64_t j) { return to_float(x[readmit_ids[j]]); });
+      max_prob[row] = mp;
+      if (mp != mp) atomicOr(status, math::kConfBadRow);
+    }
   }
 }
 
@@ -327,6 +383,10 @@ struct TokenConfidenceParams {
   int64_t* token;                 // [N]
   float* score;                   // [N]
   int* status;                    // math::kConfBadRow when a row is unusable
+  // token_confidence_max_prob only (null otherwise):
+  const int32_t* readmit_ids;     // from launch_readmit_ids (ascending), or null: none
+  const int32_t* readmit_count;   // [1] from launch_readmit_ids, or null: 0
+  float* max_prob;                // [N] max probability with the readmitted ids counted
 };
 
 template <typename T, int kMode, bool kNoisy>
@@ -334,7 +394,8 @@ void launch_token_confidence_t(const TokenConfidenceParams<T>& p, stream_t strea
   const auto kernel = token_confidence_kernel<T, kMode, kNoisy>;
   DLLM_LAUNCH(kernel, dim3(static_cast<unsigned>(p.N)), dim3(confidence_block_threads(p.V)), 0,
               stream, p.logits, p.logits_row_stride, p.V, p.temperature, p.noise,
-              p.noise_row_stride, p.suppress_bits, p.token, p.score, p.status);
+              p.noise_row_stride, p.suppress_bits, p.token, p.score, p.status, p.readmit_ids,
+              p.readmit_count, p.max_prob);
 }
 
 template <typename T>

@@ -49,7 +49,10 @@ constexpr double kNegEntropyEpsD = 1e-10;
 // raise_*_status helpers of aten/select_checks.h.
 enum ConfidenceStatus : int {
   kConfBadRow = 1,         // a row with NaN / +inf logits, no finite logit, or NaN noise
+                           // (token_confidence_max_prob: or a NaN / +inf readmitted logit)
   kConfBadSuppressId = 2,  // a suppress id outside [0, V)
+  kConfBadMaxProbId = 4,   // token_confidence_max_prob: a max_prob_suppress id outside [0, V)
+  kConfMaxProbNotSubset = 8,  // token_confidence_max_prob: max_prob_suppress ⊄ suppress
 };
 enum TransferStatus : int {
   kTransferBadK = 1,  // k[b] outside [0, candidates of row b]
@@ -276,6 +279,32 @@ DLLM_HD float confidence_score(SoftmaxTop st, int mode, bool noisy, const NoisyA
   if (mode == kConfProb) return static_cast<float>(softmax_top_prob(st, noisy ? na.x : st.m));
   if (mode == kConfMargin) return static_cast<float>(softmax_top_margin(st));
   return static_cast<float>(softmax_top_neg_entropy_plain(st) + static_cast<double>(eps_sum));
+}
+
+// ---- token_confidence_max_prob: the max probability over more ids ----------------
+// The row's largest probability of the softmax over the ids not in a smaller
+// set K ⊆ suppress: the ids of suppress \ K ("readmitted", logits l_j) count
+// again. From the pass's own moments (m, S0 = 1 + r over the unsuppressed ids):
+//   m2 = max(m, l_j),  S2 = S0 e^{m - m2} + sum_j e^{l_j - m2},  max_prob = 1 / S2,
+// in double like softmax_top_prob. With nothing readmitted (or only -inf
+// logits) m2 = m, S2 = (1 + r) * e^0 + 0 = 1 + r exactly, so the result has the
+// bits of confidence_score's greedy "prob" score, e^0 / (1 + r). `logit_at(j)`
+// reads the j-th readmitted logit (the caller's order: ascending ids on both
+// backends). NaN when the row is unusable or a readmitted logit is NaN / +inf.
+template <typename LogitAt>
+DLLM_HD float readmitted_max_prob(SoftmaxTop st, int64_t n, LogitAt logit_at) {
+  if (!softmax_top_ok(st)) return NAN;
+  st = softmax_top_folded(st);
+  const double m = st.m;
+  double m2 = m;
+  for (int64_t j = 0; j < n; ++j) {
+    const float l = logit_at(j);
+    if (l != l || l == INFINITY) return NAN;
+    if (static_cast<double>(l) > m2) m2 = l;
+  }
+  double s2 = (1.0 + static_cast<double>(st.r)) * exp(m - m2);
+  for (int64_t j = 0; j < n; ++j) s2 += exp(static_cast<double>(logit_at(j)) - m2);
+  return static_cast<float>(1.0 / s2);
 }
 
 // ============================================================================

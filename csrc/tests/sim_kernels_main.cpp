@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -584,6 +585,95 @@ static void test_token_confidence(const char* name, int rows, int V, int mode, b
   }
 }
 
+// token_confidence_max_prob's pieces: launch_readmit_ids (ascending readmitted
+// ids, the subset rule) and the row kernel's max_prob against a double host
+// softmax; with nothing readmitted, the bits of the greedy "prob" score.
+template <typename T>
+static void test_token_confidence_max_prob(const char* name, int rows, int V, int mode) {
+  std::mt19937 rng(rows * 31 + V * 7 + mode);
+  std::normal_distribution<float> n01;
+  std::vector<T> x(size_t(rows) * V);
+  for (auto& v : x) v = cast_from_float<T>(3.f * n01(rng));
+  x[7] = cast_from_float<T>(30.f);                            // row 0: a readmitted id above m
+  if (rows > 1) x[size_t(V) + V - 1] = cast_from_float<T>(-INFINITY);  // row 1: a -inf one
+  const std::vector<int64_t> suppress = {int64_t(V / 2), 0, 7, int64_t(V / 2), int64_t(V - 1)};
+  const std::vector<int64_t> keep = {0, int64_t(V / 2), 0};
+  const size_t words = (V + 31) / 32;
+  auto bits_of = [&](const std::vector<int64_t>& ids, int bad, int* status) {
+    std::vector<unsigned> bits(words, 0u);
+    dllm::cuda::launch_suppress_bits({.ids = ids.data(), .n = int64_t(ids.size()), .V = V,
+                                      .bits = bits.data(), .status = status, .bad_id_status = bad},
+                                     nullptr);
+    return bits;
+  };
+  int status = 0;
+  const auto sbits = bits_of(suppress, dllm::math::kConfBadSuppressId, &status);
+  auto run = [&](const std::vector<unsigned>* keep_bits, std::vector<float>* score,
+                 std::vector<float>* max_prob, std::vector<int32_t>* readmit) {
+    readmit->assign(suppress.size(), -1);
+    int32_t count = -1;
+    dllm::cuda::launch_readmit_ids({.suppress_bits = sbits.data(),
+                                    .keep_bits = keep_bits ? keep_bits->data() : nullptr, .V = V,
+                                    .ids = readmit->data(), .count = &count, .status = &status},
+                                   nullptr);
+    readmit->resize(count);
+    std::vector<int64_t> token(rows);
+    score->assign(rows, -7.f);
+    max_prob->assign(rows, -7.f);
+    dllm::cuda::launch_token_confidence<T>(
+        {.logits = x.data(), .logits_row_stride = V, .N = rows, .V = V, .mode = mode,
+         .temperature = 0.0, .noise = nullptr, .noise_row_stride = 0,
+         .suppress_bits = sbits.data(), .token = token.data(), .score = score->data(),
+         .status = &status, .readmit_ids = readmit->data(), .readmit_count = &count,
+         .max_prob = max_prob->data()},
+        nullptr);
+  };
+  const auto kbits = bits_of(keep, dllm::math::kConfBadMaxProbId, &status);
+  std::vector<float> score, max_prob;
+  std::vector<int32_t> readmit;
+  run(&kbits, &score, &max_prob, &readmit);
+  if (status != 0 || readmit != std::vector<int32_t>{7, V - 1}) {
+    std::fprintf(stderr, "FAIL %s: status %d, %zu readmitted ids\n", name, status, readmit.size());
+    ++g_failures;
+  }
+  for (int r = 0; r < rows; ++r) {
+    std::vector<double> xs(V);
+    for (int i = 0; i < V; ++i) xs[i] = dllm::cuda::to_float(x[size_t(r) * V + i]);
+    for (int64_t id : keep) xs[id] = -INFINITY;
+    const double m = *std::max_element(xs.begin(), xs.end());
+    double s = 0;
+    for (double v : xs) s += std::exp(v - m);
+    expect_close(max_prob[r], 1.0 / s, 1e-6, name, r);
+  }
+  // Equal sets: nothing readmitted, the bits of the greedy prob score.
+  std::vector<float> prob, unused;
+  if (mode != dllm::math::kConfProb) {
+    std::vector<int64_t> token(rows);
+    prob.assign(rows, -7.f);
+    dllm::cuda::launch_token_confidence<T>(
+        {.logits = x.data(), .logits_row_stride = V, .N = rows, .V = V,
+         .mode = dllm::math::kConfProb, .temperature = 0.0, .noise = nullptr,
+         .noise_row_stride = 0, .suppress_bits = sbits.data(), .token = token.data(),
+         .score = prob.data(), .status = &status},
+        nullptr);
+  }
+  run(&sbits, &score, &max_prob, &readmit);
+  if (mode == dllm::math::kConfProb) prob = score;
+  for (int r = 0; r < rows; ++r)
+    if (std::memcmp(&max_prob[r], &prob[r], sizeof(float)) != 0 || !readmit.empty()) {
+      std::fprintf(stderr, "FAIL %s[%d] equal sets: max_prob %.9g, prob score %.9g\n", name, r,
+                   max_prob[r], prob[r]);
+      ++g_failures;
+    }
+  // Not a subset: id 3 is not suppressed.
+  const auto bad = bits_of({3}, dllm::math::kConfBadMaxProbId, &status);
+  run(&bad, &score, &unused, &readmit);
+  if (status != dllm::math::kConfMaxProbNotSubset) {
+    std::fprintf(stderr, "FAIL %s: subset rule: status %d\n", name, status);
+    ++g_failures;
+  }
+}
+
 // select_transfer against a host sort by (score desc, index asc).
 template <typename T>
 static void test_select_transfer(const char* name, int B, int L, int rule, double factor) {
@@ -736,6 +826,11 @@ static void test_select_family() {
     test_token_confidence<__half>("token_confidence<half> noisy", 2, 333, mode, true);
   }
   test_token_confidence<float>("token_confidence<float> V=1", 2, 1, kConfMargin, false);
+  for (int mode : {kConfProb, kConfMargin, kConfNegEntropy}) {
+    test_token_confidence_max_prob<float>("token_confidence_max_prob<float>", 3, 1000, mode);
+    test_token_confidence_max_prob<__nv_bfloat16>("token_confidence_max_prob<bf16> V=4099", 2,
+                                                  4099, mode);
+  }
   for (int rule : {kRuleTopk, kRuleThreshold, kRuleFactor}) {
     test_select_transfer<float>("select_transfer<float>", 3, 77, rule, 1.0);
     test_select_transfer<__nv_bfloat16>("select_transfer<bf16> L=1500", 2, 1500, rule, 0.5);

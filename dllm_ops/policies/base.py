@@ -22,6 +22,10 @@ class Policy:
     name = "base"
     #: ask model.step for head-averaged attention rows (cache.probs)
     wants_probs = False
+    #: ask the decode loop for each logits row's max probability with only the
+    #: mask token suppressed (``DecodeState.last_scores.max_prob``), scored in
+    #: the reveal's own pass
+    wants_max_prob = False
 
     def on_block_start(self, state) -> StepPlan:
         """Block start: a full forward, refreshing every cache entry."""

@@ -71,10 +71,14 @@ Choices where the sources are silent:
   full forward gives every row; later calls give identity rows for every
   token not recomputed (exactly the reference's dense product).
 - The confidence refresh reads the decode loop's scores of the call
-  (``DecodeState.last_scores``) when they are the max probability with only
-  the mask suppressed (rule mode "prob", greedy, no EOS suppression or Dream
-  filter); otherwise it scores the call's logits rows itself. Either way it
-  touches only the rows the call returned.
+  (``DecodeState.last_scores``): the reveal's score when it is the max
+  probability with only the mask suppressed (rule mode "prob", greedy, no
+  EOS suppression or Dream filter), else the max probability the loop's
+  pass computed alongside it (``wants_max_prob``: ``dllm.token_confidence_max_prob``,
+  one scoring pass per call for a margin or entropy rule, sampling, or EOS
+  suppression). Only when the loop scored Dream-filtered rows (or a
+  different suppress set without the mask) does it score the call's logits
+  rows itself. Either way it touches only the rows the call returned.
 - ``selection_s`` accumulates the time of all of the policy's own work per
   decode (density, ranking, rollout, nucleus, confidence refresh); with
   ``sync_timing`` it synchronises the device around it (benchmarks only).
@@ -94,6 +98,7 @@ class D2Cache(Policy):
     """d²Cache's two-stage selective recompute (see the module docstring)."""
     name = "d2cache"
     wants_probs = True
+    wants_max_prob = True   # the confidence cache (_refresh_confidence)
 
     def __init__(self, rollout_p: float = D2CacheConfig.rollout_p,
                  current_k: int = D2CacheConfig.current_k,
@@ -210,10 +215,14 @@ class D2Cache(Policy):
     @staticmethod
     def _max_prob_of_rows(state, logits: torch.Tensor) -> torch.Tensor:
         """``[B, P]`` max softmax probability (mask token excluded) of each logits row:
-        the loop's own scores of this call when they are that quantity, else scored here."""
+        the loop's own scores of this call when they are that quantity, or the max
+        probability its pass computed alongside them; else scored here."""
         scored = state.last_scores
-        if scored is not None and scored.is_max_prob and scored.score.shape == logits.shape[:2]:
-            return scored.score
+        if scored is not None and scored.score.shape == logits.shape[:2]:
+            if scored.is_max_prob:
+                return scored.score
+            if scored.max_prob is not None:
+                return scored.max_prob
         B, P, V = logits.shape
         suppress = torch.tensor([state.mask_id], device=logits.device)
         _, conf = ops.token_confidence(logits.reshape(B * P, V).float(), "prob", 0.0, suppress, None)
