@@ -109,6 +109,7 @@ class _CountCalls:
         self.inner = inner
         self.name = inner.name
         self.wants_probs = inner.wants_probs
+        self.wants_max_prob = getattr(inner, "wants_max_prob", False)
         self.calls = None
         self.tokens = self.busy_calls = None   # per row: tokens run / calls, while its block has masks
 

@@ -194,3 +194,30 @@ for _B, _G in ((8, 512), (1, 4096)):
         op="certainty_density", shape=f"{_B}x{_G} sigma=10", make=_decoded(_B, _G),
         run=lambda d: dllm_ops.certainty_density(d, 10.0),
         baselines=_b, nbytes=lambda a: a[0].numel() * (1 + 4), dtypes=(torch.float32,)))
+
+
+# ---- token_confidence_max_prob -----------------------------------------------------
+# A margin reveal with EOS suppressed plus d²Cache's mask-only max probability
+# (LLaDA's ids), against the two token_confidence passes it replaces.
+_MASK, _EOS = 126336, 126081
+
+
+def _logits_and_ids(shape):
+    base = _logits(shape)
+
+    def make(device, dtype):
+        (x,) = base(device, dtype)
+        return x, torch.tensor([_MASK, _EOS], device=device), torch.tensor([_MASK], device=device)
+    return make
+
+
+register(Case(
+    op="token_confidence_max_prob", shape=f"64x{_V} margin+max_prob",
+    make=_logits_and_ids((64, _V)),
+    run=lambda x, s, k: dllm_ops.token_confidence_max_prob(x, "margin", 0.0, s, None, k),
+    baselines={"two_passes": lambda x, s, k: (dllm_ops.token_confidence(x, "margin", 0.0, s),
+                                              dllm_ops.token_confidence(x, "prob", 0.0, k)),
+               "reference": lambda x, s, k: reference.token_confidence_max_prob(
+                   x, "margin", 0.0, s, None, k)},
+    nbytes=lambda a: tensor_bytes(a[0]) + a[0].shape[0] * (8 + 4 + 4),
+    dtypes=(torch.bfloat16, torch.float32)))
