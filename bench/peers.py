@@ -39,6 +39,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -339,6 +340,14 @@ def run_peers(args, checkouts: dict, log=print) -> tuple[list[dict], dict]:
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = shape_config(args)
     ckpt_dir = args.checkpoint or tempfile.mkdtemp(prefix="dllm-peers-ckpt-")
+    try:
+        return _run_rounds(args, checkouts, cfg, ckpt_dir, repo_root, log)
+    finally:
+        if not args.checkpoint:    # ours, in the temp dir (~200 MB at the default shape)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def _run_rounds(args, checkouts: dict, cfg: dict, ckpt_dir: str, repo_root: str, log):
     t0 = time.perf_counter()
     write_checkpoint(ckpt_dir, cfg, seed=args.seed)
     log(f"checkpoint: {ckpt_dir} (LLaDA layout, d {args.d_model}, {args.heads} heads, "
@@ -358,7 +367,7 @@ def run_peers(args, checkouts: dict, log=print) -> tuple[list[dict], dict]:
                 log(f"  round {rnd + 1}/{args.rounds} {mode:<8} {side:<4} wall={res['wall_s']:7.2f}s "
                     f"NFE={res['nfe']}", flush=True)
     rows = [summarize(mode, results[mode], args) for mode in args.modes]
-    meta = dict(checkpoint=ckpt_dir, prompt_length=args.prompt_length, gen_length=args.gen_length,
+    meta = dict(checkpoint=args.checkpoint or "(temporary, removed)", prompt_length=args.prompt_length, gen_length=args.gen_length,
                 block_length=args.block_length, threshold=args.threshold, threads=args.threads,
                 rounds=args.rounds, seed=args.seed, warmup=args.warmup,
                 shape=dict(d_model=args.d_model, heads=args.heads, layers=args.layers, mlp=args.mlp,

@@ -207,3 +207,32 @@ def test_end_to_end_tiny(tmp_path, capsys):
         assert r["ref_nfe"] == r["ours_nfe"], (r["mode"], r["ref_nfe"], r["ours_nfe"])
         assert r["tokens_equal"] or r["mode"] == "d2cache", (r["mode"], r["tokens_differing"])
     assert set(res["meta"]["d2cache_fixes"]) == set(peers.D2CACHE_FIXES)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_temporary_checkpoint_is_removed_and_a_named_one_kept(monkeypatch, tmp_path, fails):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    seen = []
+
+    def rounds(args, checkouts, cfg, ckpt_dir, repo_root, log):
+        assert os.path.isdir(ckpt_dir)
+        seen.append(ckpt_dir)
+        if fails:
+            raise RuntimeError("a child failed")
+        return [], {}
+
+    monkeypatch.setattr(peers, "_run_rounds", rounds)
+    args = _args(d_model=64, heads=2, layers=1, mlp=96, vocab=128)
+    for named in (None, str(tmp_path / "kept")):
+        args.checkpoint = named
+        if named:
+            os.makedirs(named)
+        try:
+            peers.run_peers(args, {})
+        except RuntimeError:
+            assert fails
+        assert os.path.isdir(seen[-1]) == bool(named)
+    assert os.listdir(tmp_path / "tmp") == []
