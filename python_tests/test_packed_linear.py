@@ -94,6 +94,19 @@ def test_a_packed_product_that_differs_turns_packing_off(monkeypatch):
     assert lin._packing_failed and lin._packed is None
 
 
+@needs_packing
+def test_a_torch_that_cannot_pack_takes_f_linear(monkeypatch):
+    lin = make(64, 32)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+
+    def no_op(w):
+        raise RuntimeError("mkldnn::_reorder_linear_weight: not supported")
+    monkeypatch.setattr(pl, "pack_weight", no_op)
+    with torch.no_grad():
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    assert lin._packing_failed
+
+
 def test_the_environment_turns_packing_off():
     code = "from dllm_ops.models import packed_linear as p; print(p.packing_available(), p._AVAILABLE)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

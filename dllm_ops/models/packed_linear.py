@@ -85,9 +85,12 @@ class Linear(nn.Linear):
         key = (w.data_ptr(), w._version, tuple(w.shape))
         if self._packed_key != key:
             self._packed, self._packed_key = None, key
-            with torch.no_grad():
-                packed = pack_weight(w.detach())
-                same = same_as_linear(w.detach(), packed, self.bias)
+            try:
+                with torch.no_grad():
+                    packed = pack_weight(w.detach())
+                    same = same_as_linear(w.detach(), packed, self.bias)
+            except (RuntimeError, AttributeError):   # a torch / oneDNN without these ops or shapes
+                same = False
             if not same:
                 self._packing_failed = True
                 return None
