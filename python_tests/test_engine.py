@@ -374,16 +374,51 @@ class RaisingReuse:
         return full_attention(model, li, layer, a, call)
 
 
-@pytest.mark.parametrize("fault", ["policy", "attention", "batched mlp"])
+@pytest.mark.parametrize("fault", ["policy", "attention", "own attention", "batched mlp",
+                                   "batched projection"])
 def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
-    """A request whose plan raises on its 2nd call, or whose attention branch raises
-    mid-forward, fails with 500; the others decode on and still equal generate
-    alone. When a batched token-wise part raises, each row runs it alone: no
+    """A request whose plan raises on its 2nd call, or whose attention branch
+    (a DARE-style rule's, or the K/V write and attention of a row whose
+    projections ran batched) raises mid-forward, fails with 500; the others
+    decode on and still equal generate alone. When a batched token-wise part
+    (an MLP, a q/k/v or output projection) raises, each row runs it alone: no
     row fails (here none raises alone) and the answers stay exact."""
     kw = dict(policy=FailsOnCall(2)) if fault == "policy" else \
         dict(reuse=RaisingReuse()) if fault == "attention" else {}
     engine = FaultyEngine(llada, **kw)
     raised = []
+    if fault == "own attention":
+        from dllm_ops.serve import fused
+        write_and_attend, seen = fused.write_and_attend, []
+
+        def fails_for_bad(model, li, q, k, v, call):
+            bad_seq = [s for s in engine._running if s.request.request_id == "bad"]
+            if bad_seq and call.cache is bad_seq[0].decoder.state.cache and li == 2:
+                seen.append(li)
+                if len(seen) == 3:
+                    raise RuntimeError("own attention fault on purpose")
+            return write_and_attend(model, li, q, k, v, call)
+        monkeypatch.setattr(fused, "write_and_attend", fails_for_bad)
+    if fault == "batched projection":
+        from dllm_ops.serve import fused
+        token_linear, init, current = fused.token_linear, fused._PackedTokens.__init__, {}
+
+        def remember(self, parts):
+            init(self, parts)
+            current["call"] = self
+
+        # q/k/v raise in layers 0-1, the output projection in layers 2-3
+        refused = {id(l.q) for l in llada.layers[:2]} | {id(l.o) for l in llada.layers[2:]}
+
+        def refuses_several_rows(linear, x):
+            call = current.get("call")
+            if (call is not None and len(call.alive()) > 1 and x.shape[0] == call.tokens
+                    and id(linear) in refused):
+                raised.append(x.shape[0])
+                raise RuntimeError("batched projection fault on purpose")
+            return token_linear(linear, x)
+        monkeypatch.setattr(fused._PackedTokens, "__init__", remember)
+        monkeypatch.setattr(fused, "token_linear", refuses_several_rows)
     if fault == "batched mlp":
         from dllm_ops.models.transformer import Block
         from dllm_ops.serve import fused
@@ -413,8 +448,8 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
         submitted[method] = (PROMPTS[i + 1], config(method), 16, ev)
     run_until_idle(engine)
     monkeypatch.undo()
-    if fault == "batched mlp":
-        assert len(raised) >= 4                    # the batched MLP failed in every layer of a call
+    if fault.startswith("batched"):
+        assert len(raised) >= 4                    # the batched part failed in every layer of a call
         submitted["bad"] = (PROMPTS[0], bad_config, 16, bad_events)
     else:
         assert bad.outcome.status == 500
