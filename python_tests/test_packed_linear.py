@@ -107,6 +107,34 @@ def test_a_torch_that_cannot_pack_takes_f_linear(monkeypatch):
     assert lin._packing_failed
 
 
+@needs_packing
+def test_packed_copies_stay_within_the_budget(monkeypatch):
+    small, big = make(64, 32), make(256, 128)                       # 4 KiB and 64 KiB of bf16
+    x_small = torch.randn(16, 64).to(torch.bfloat16)
+    x_big = torch.randn(16, 256).to(torch.bfloat16)
+    monkeypatch.setattr(pl, "PACK_BUDGET_BYTES", pl.packed_bytes() + 32 * 1024)
+    with torch.no_grad():
+        assert torch.equal(small(x_small), F.linear(x_small, small.weight))
+        assert torch.equal(big(x_big), F.linear(x_big, big.weight))
+    assert small._packed is not None and big._packed is None and not big._packing_failed
+    assert pl.packed_bytes() <= pl.PACK_BUDGET_BYTES
+    del small                                                       # its copy leaves the budget
+    import gc
+    gc.collect()
+    monkeypatch.setattr(pl, "PACK_BUDGET_BYTES", pl.packed_bytes() + 64 * 1024)
+    with torch.no_grad():
+        big.weight.mul_(1)                                          # a new version: tried again
+        assert torch.equal(big(x_big), F.linear(x_big, big.weight))
+    assert big._packed is not None
+
+
+def test_the_budget_comes_from_the_environment():
+    code = "from dllm_ops.models import packed_linear as p; print(p.PACK_BUDGET_BYTES)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DLLM_CPU_PACKED_GEMM_BUDGET": "12345"}).stdout.split()
+    assert out == ["12345"]
+
+
 def test_the_environment_turns_packing_off():
     code = "from dllm_ops.models import packed_linear as p; print(p.packing_available(), p._AVAILABLE)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -231,6 +231,12 @@ MUTATIONS = [
              ("python_tests/test_packed_linear.py::test_the_packed_copy_follows_the_weight",),
              "packed linear: the packed copy is rebuilt after an in-place write to the weight"),
 
+    Mutation("packed-linear-budget-ignored",
+             "dllm_ops/models/packed_linear.py",
+             "            if packed_bytes() + nbytes > PACK_BUDGET_BYTES:\n",
+             "            if False:\n",
+             ("python_tests/test_packed_linear.py::test_packed_copies_stay_within_the_budget",),
+             "packed linear: the packed copies of all live layers stay within the budget"),
     Mutation("fused-projection-fault-drops-the-rows",
              "dllm_ops/serve/fused.py",
              "            value = packed.guarded(i, lambda: full_attention(model, li, layer, packed.part(a, i), calls[i]))\n",

@@ -15,12 +15,17 @@ layer instead of changing any number.
 The packed copy is a cache beside the parameter (not in the state dict): it
 is rebuilt when the weight changes (a new tensor or an in-place write), used
 only without autograd, only for bf16 on the CPU with oneDNN bf16 support, and
-costs one more copy of every packed weight in memory.
-``DLLM_CPU_PACKED_GEMM=0`` in the environment turns it off.
+costs one more copy of every packed weight in memory. So that a model that
+fits does not stop fitting, the packed copies of all live layers together stay
+within :data:`PACK_BUDGET_BYTES` (a quarter of the machine's memory unless
+``DLLM_CPU_PACKED_GEMM_BUDGET`` gives bytes): a layer whose copy would not fit
+runs on ``F.linear`` (the same numbers, the unpacked speed).
+``DLLM_CPU_PACKED_GEMM=0`` in the environment turns packing off.
 """
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,26 @@ def packing_available() -> bool:
 
 
 _AVAILABLE = packing_available()
+
+
+def _default_budget() -> int:
+    env = os.environ.get("DLLM_CPU_PACKED_GEMM_BUDGET")
+    if env is not None:
+        return int(env)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+#: bytes the packed copies of all live layers may hold together
+PACK_BUDGET_BYTES = _default_budget()
+_HOLDERS: "weakref.WeakSet[Linear]" = weakref.WeakSet()   # layers holding a packed copy
+
+
+def packed_bytes() -> int:
+    """Bytes the packed copies of all live layers hold now."""
+    return sum(m._packed_nbytes for m in list(_HOLDERS))
 
 #: the batch-size hint oneDNN packs for: decode calls run a block's rows
 PACK_ROWS = 16
@@ -67,6 +92,7 @@ class Linear(nn.Linear):
 
     _packed = None
     _packed_key = None
+    _packed_nbytes = 0
     _packing_failed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +110,11 @@ class Linear(nn.Linear):
         w = self.weight
         key = (w.data_ptr(), w._version, tuple(w.shape))
         if self._packed_key != key:
-            self._packed, self._packed_key = None, key
+            self._packed, self._packed_key, self._packed_nbytes = None, key, 0
+            _HOLDERS.discard(self)
+            nbytes = w.numel() * w.element_size()
+            if packed_bytes() + nbytes > PACK_BUDGET_BYTES:
+                return None          # over the budget: F.linear; tried again if the weight changes
             try:
                 with torch.no_grad():
                     packed = pack_weight(w.detach())
@@ -94,5 +124,6 @@ class Linear(nn.Linear):
             if not same:
                 self._packing_failed = True
                 return None
-            self._packed = packed
+            self._packed, self._packed_nbytes = packed, nbytes
+            _HOLDERS.add(self)
         return self._packed
