@@ -27,8 +27,8 @@ rule, block length, region length and prompt length may all differ between
 the rows of one call; nothing is grouped and nobody waits for a turn, because
 no object of one row is ever handed another row's tensors.
 
-A row gets the numbers it gets alone, bit for bit (float32 on the CPU,
-python_tests/test_engine.py): the per-row parts run on the same shapes as
+A row gets the numbers it gets alone, bit for bit (float32 and bf16 on the
+CPU, python_tests/test_engine.py): the per-row parts run on the same shapes as
 alone, and the batched parts are row-independent (``token_linear`` keeps the
 BLAS on one GEMM path whatever the row count; the norms reduce per token).
 
