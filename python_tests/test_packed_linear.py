@@ -135,6 +135,29 @@ def test_the_budget_comes_from_the_environment():
     assert out == ["12345"]
 
 
+@needs_packing
+def test_a_packed_layer_can_be_copied_and_pickled():
+    import copy
+    import io
+    import pickle
+
+    lin = make(64, 32, bias=True)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        lin(x)
+    assert lin._packed is not None
+    buf = io.BytesIO()
+    torch.save(lin, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(lin), pickle.loads(pickle.dumps(lin)), torch.load(buf, weights_only=False)]
+    for c in copies:
+        assert c._packed is None                                    # packs anew when used
+        with torch.no_grad():
+            assert torch.equal(c(x), F.linear(x, lin.weight, lin.bias))
+        assert c._packed is not None
+    assert lin._packed is not None
+
+
 def test_the_environment_turns_packing_off():
     code = "from dllm_ops.models import packed_linear as p; print(p.packing_available(), p._AVAILABLE)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

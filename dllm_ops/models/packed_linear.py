@@ -95,6 +95,12 @@ class Linear(nn.Linear):
     _packed_nbytes = 0
     _packing_failed = False
 
+    def __getstate__(self):
+        # The packed copy is an opaque oneDNN tensor, which cannot be copied or
+        # pickled: a copy (copy.deepcopy, pickle) leaves it out and packs anew.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {k: v for k, v in state.items() if k not in ("_packed", "_packed_key", "_packed_nbytes")}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (not _AVAILABLE or self._packing_failed or x.dtype != torch.bfloat16
