@@ -122,24 +122,15 @@ def check_answers(model, submitted, min_calls=1):
 
 # ---- batch invariance ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def llada_bf16():
-    return load("tiny-llada", dtype=torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def dream_bf16():
-    return load("tiny-dream", dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize("arch", ["llada", "dream", "llada_bf16", "dream_bf16"])
+@pytest.mark.parametrize("arch", ["llada", "dream", "llada-bf16", "dream-bf16"])
 def test_batch_invariance_with_requests_joining_and_leaving(arch, request):
     """Six methods, three prompt lengths, two block and two region lengths, joining
     at different calls; one request is cancelled mid-decode and one finishes
     early: every other answer is generate's alone, token for token. In float32
     (MKL's sgemm) and in bf16 (where the CPU has it, the linears run on packed
     oneDNN weights: dllm_ops/models/packed_linear.py)."""
-    model = request.getfixturevalue(arch)
+    name, _, bf16 = arch.partition("-")
+    model = load(f"tiny-{name}", dtype=torch.bfloat16) if bf16 else request.getfixturevalue(name)
     engine = Engine(model, max_running=16)
     submitted = {}
 
