@@ -402,14 +402,16 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
                     raise RuntimeError("own attention fault on purpose")
             return write_and_attend(model, li, q, k, v, call)
         monkeypatch.setattr(fused, "write_and_attend", fails_for_bad)
-    if fault == "batched projection":
+    if fault.startswith("batched"):
         from dllm_ops.serve import fused
-        token_linear, init, current = fused.token_linear, fused._PackedTokens.__init__, {}
+        init, current = fused._PackedTokens.__init__, {}
 
-        def remember(self, parts):
+        def remember(self, parts):           # the fused call in progress
             init(self, parts)
             current["call"] = self
-
+        monkeypatch.setattr(fused._PackedTokens, "__init__", remember)
+    if fault == "batched projection":
+        token_linear = fused.token_linear
         # q/k/v raise in layers 0-1, the output projection in layers 2-3
         refused = {id(l.q) for l in llada.layers[:2]} | {id(l.o) for l in llada.layers[2:]}
 
@@ -420,16 +422,10 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
                 raised.append(x.shape[0])
                 raise RuntimeError("batched projection fault on purpose")
             return token_linear(linear, x)
-        monkeypatch.setattr(fused._PackedTokens, "__init__", remember)
         monkeypatch.setattr(fused, "token_linear", refuses_several_rows)
     if fault == "batched mlp":
         from dllm_ops.models.transformer import Block
-        from dllm_ops.serve import fused
-        mlp, init, current = Block.mlp, fused._PackedTokens.__init__, {}
-
-        def remember(self, parts):
-            init(self, parts)
-            current["call"] = self
+        mlp = Block.mlp
 
         def refuses_several_rows(self, x):
             call = current.get("call")
@@ -437,7 +433,6 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
                 raised.append(x.shape[1])
                 raise RuntimeError("batched MLP fault on purpose")
             return mlp(self, x)
-        monkeypatch.setattr(fused._PackedTokens, "__init__", remember)
         monkeypatch.setattr(Block, "mlp", refuses_several_rows)
     # top-k: one token per call, so the bad request is still decoding at its 2nd and 3rd calls
     bad_config = DecodeConfig.from_dict(dict(shape=dict(gen_length=16, block_length=8),
