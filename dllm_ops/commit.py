@@ -193,7 +193,9 @@ def _row_scores(state: DecodeState, logits, mode: str, sampling: Sampling,
     else:
         token, score = ops.token_confidence(scores, mode, conf_temperature, suppress, noise)
         max_prob = None
-    state.last_scores = LogitRowScores(token.view(B, P), score.view(B, P), is_max_prob, max_prob)
+    if is_max_prob:
+        max_prob = score.view(B, P)
+    state.last_scores = LogitRowScores(token.view(B, P), score.view(B, P), max_prob)
     return token, score
 
 

@@ -18,13 +18,11 @@ class LogitRowScores:
     call's scores instead of scoring the same logits again."""
     token: torch.Tensor
     score: torch.Tensor
-    #: the score is the max softmax probability with only the mask token
-    #: suppressed (rule mode "prob", greedy, no EOS suppression, no Dream filter)
-    is_max_prob: bool
-    #: that max probability from the same pass (``dllm.token_confidence_max_prob``)
-    #: when the policy wants it (``Policy.wants_max_prob``) and the score is not
-    #: it; None when the score is, or when the scored rows are not the call's
-    #: logits (Dream's filter)
+    #: each row's max softmax probability with only the mask token suppressed,
+    #: when the pass gave it: the score itself (rule mode "prob", greedy, no EOS
+    #: suppression, no Dream filter), or ``dllm.token_confidence_max_prob``'s
+    #: third output when the policy wants it (``Policy.wants_max_prob``); None
+    #: otherwise (e.g. the scored rows were Dream-filtered, not the call's logits)
     max_prob: torch.Tensor | None = None
 
 

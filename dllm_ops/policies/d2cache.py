@@ -215,14 +215,12 @@ class D2Cache(Policy):
     @staticmethod
     def _max_prob_of_rows(state, logits: torch.Tensor) -> torch.Tensor:
         """``[B, P]`` max softmax probability (mask token excluded) of each logits row:
-        the loop's own scores of this call when they are that quantity, or the max
-        probability its pass computed alongside them; else scored here."""
+        the one the loop's scoring pass of this call gave (its score, or the max
+        probability computed alongside it); else scored here."""
         scored = state.last_scores
-        if scored is not None and scored.score.shape == logits.shape[:2]:
-            if scored.is_max_prob:
-                return scored.score
-            if scored.max_prob is not None:
-                return scored.max_prob
+        if (scored is not None and scored.max_prob is not None
+                and scored.max_prob.shape == logits.shape[:2]):
+            return scored.max_prob
         B, P, V = logits.shape
         suppress = torch.tensor([state.mask_id], device=logits.device)
         _, conf = ops.token_confidence(logits.reshape(B * P, V).float(), "prob", 0.0, suppress, None)
