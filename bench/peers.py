@@ -367,7 +367,8 @@ def _run_rounds(args, checkouts: dict, cfg: dict, ckpt_dir: str, repo_root: str,
                 log(f"  round {rnd + 1}/{args.rounds} {mode:<8} {side:<4} wall={res['wall_s']:7.2f}s "
                     f"NFE={res['nfe']}", flush=True)
     rows = [summarize(mode, results[mode], args) for mode in args.modes]
-    meta = dict(checkpoint=args.checkpoint or "(temporary, removed)", prompt_length=args.prompt_length, gen_length=args.gen_length,
+    meta = dict(checkpoint=args.checkpoint or "(temporary, removed)",
+                prompt_length=args.prompt_length, gen_length=args.gen_length,
                 block_length=args.block_length, threshold=args.threshold, threads=args.threads,
                 rounds=args.rounds, seed=args.seed, warmup=args.warmup,
                 shape=dict(d_model=args.d_model, heads=args.heads, layers=args.layers, mlp=args.mlp,

@@ -65,6 +65,7 @@ def packed_bytes() -> int:
     """Bytes the packed copies of all live layers hold now."""
     return sum(m._packed_nbytes for m in list(_HOLDERS))
 
+
 #: the batch-size hint oneDNN packs for: decode calls run a block's rows
 PACK_ROWS = 16
 
