@@ -354,15 +354,60 @@ def test_sparse_attention_matches_reference(backend, dtype, return_probs):
                            return_probs)
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_sparse_kv_cpu_narrow_isa(monkeypatch, isa):
     """The RoPE rows and the softmax loops are compiled per instruction set
     (csrc/cpu/sparse_kv_kernels.h); the widest the machine has runs by default
-    and DLLM_CPU_ISA caps it, so the narrower copies meet the same bounds here."""
+    and DLLM_CPU_ISA caps it, so the narrower copies meet the same bounds here
+    (avx512: bf16 tiles through the BLAS calls, not AVX512-BF16's dot products)."""
     monkeypatch.setenv("DLLM_CPU_ISA", isa)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         test_rope_scatter_kv_matches_reference("cpu", dtype)
         test_sparse_attention_matches_reference("cpu", dtype, dtype == torch.bfloat16)
+
+
+def _has_avx512bf16():
+    return torch.ops.dllm_cpu.isa()[1] == "avx512bf16"  # (active, best)
+
+
+@pytest.mark.skipif(not _has_avx512bf16(), reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("return_probs", [False, True])
+def test_sparse_attention_bf16_dots_row_bits_do_not_depend_on_the_tile(monkeypatch, return_probs):
+    """bf16 tiles at the avx512bf16 level sum each query row's products in a
+    fixed order (sparse_kv_kernels.h), so a row's output has the same bits
+    whichever rows share its tile: Q = 70 (two tiles of 64 + 6 rows, GQA 2)
+    against each query alone and odd subsets, odd T and masked keys."""
+    monkeypatch.setenv("DLLM_CPU_ISA", "avx512bf16")
+    g = _gen(21)
+    B, Q, H, H_kv, T, d = 2, 70, 4, 2, 45, 128
+    q = _rnd(g, B, Q, H, d, dtype=torch.bfloat16)
+    kc, vc = (_rnd(g, B, H_kv, T, d, dtype=torch.bfloat16) for _ in range(2))
+    valid = _left_padded(B, T, [0, 7])
+    f = dllm_ops.ops.sparse_attention
+    out, probs = f(q, kc, vc, valid, d ** -0.5, return_probs)
+    for rows in ([0], [69], list(range(3, 70, 5)), list(range(64, 70))):
+        o, p = f(q[:, rows].contiguous(), kc, vc, valid, d ** -0.5, return_probs)
+        assert torch.equal(o, out[:, rows]), rows
+        if return_probs:
+            assert torch.equal(p, probs[:, rows]), rows
+
+
+@pytest.mark.skipif(not _has_avx512bf16(), reason="the CPU has no AVX512-BF16")
+def test_sparse_attention_bf16_dots_and_blas_path_agree_within_the_bound(monkeypatch):
+    """The two bf16 CPU paths (AVX512-BF16 dot products; the BLAS calls at the
+    avx512 level) differ only in summation order: within the oracle's bound of
+    each other and not all equal (so both really ran)."""
+    g = _gen(22)
+    q = _rnd(g, 1, 16, 8, 128, dtype=torch.bfloat16)
+    kc, vc = (_rnd(g, 1, 8, 191, 128, dtype=torch.bfloat16) for _ in range(2))
+    outs = {}
+    for isa in ("avx512", "avx512bf16"):
+        monkeypatch.setenv("DLLM_CPU_ISA", isa)
+        outs[isa] = dllm_ops.ops.sparse_attention(q, kc, vc, None, 128 ** -0.5)[0]
+    out64, bound = attention_error_bound("cpu", q, kc, vc, None, 128 ** -0.5)
+    for isa, out in outs.items():
+        assert_within(out, out64, bound, isa)
+    assert not torch.equal(outs["avx512"], outs["avx512bf16"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

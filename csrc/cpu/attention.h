@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -29,9 +30,17 @@ template <typename T_>
 struct AttnScratch {
   std::vector<T_> q_rows, qt, p;  // q_rows: the tile's query rows, [M, d]
   std::vector<float> st, pf, o, mx, sum, inv;  // pf: fp32 P, only with probabilities
+  // bf16 only: Q and V laid out in pairs for AVX512-BF16's dot products
+  // (sparse_kv_kernels.h: pack_query_pairs, pack_value_pairs).
+  std::vector<uint32_t> q_pairs, v_pairs;
   AttnScratch(int64_t M, int64_t T, int64_t d, bool with_probs)
       : q_rows(M * d), qt(d * M), p(M * T), st(T * M), pf(with_probs ? M * T : 0), o(M * d),
-        mx(M), sum(M), inv(M) {}
+        mx(M), sum(M), inv(M) {
+    if constexpr (std::is_same_v<T_, c10::BFloat16>) {
+      q_pairs.resize((d / 2) * ((M + 15) / 16 * 16));
+      v_pairs.resize((T + 1) / 2 * d);
+    }
+  }
 };
 
 // The largest buffer ThreadScratch keeps for its thread between calls.

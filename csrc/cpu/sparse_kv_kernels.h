@@ -128,6 +128,156 @@ DLLM_CPU_NOINLINE void rotate_row_contig(const T* src_, T* dst_, const float* __
 // sparse_attention
 // ============================================================================
 
+#if DLLM_ISA_X86 && DLLM_VEC_FLOATS >= 16
+// ---- bf16 tiles with AVX512-BF16 dot products (Isa::kAvx512Bf16) ----------
+// VDPBF16PS adds to each fp32 lane the two products of a pair of bf16 values
+// (products exact in fp32, each add rounded to nearest even; subnormal inputs
+// and results flush to zero, ~1e-38, far inside the attention tests' bounds).
+// The pairs run along the reduction, so each side of a product is laid out
+// for it:
+//   scores  S^T [T, M]: a lane is a query row, a pair two adjacent dims of
+//     one key, broadcast from K as the cache stores it; the tile's queries
+//     are laid out [d / 2, Mp, 2] (pack_query_pairs, Mp = M rounded up to 16);
+//   values  O [M, d]: a lane is an output dim, a pair two adjacent keys of
+//     one row of P, broadcast from P; V is laid out [ceil(T / 2), d, 2]
+//     (pack_value_pairs, a zero key after an odd T).
+// Each element sums its pairs in order, whatever the tile's size, so a query
+// row's bits do not depend on which rows share its tile. They are not the
+// BLAS path's bits (Isa::kAvx512 and below), which accumulates in another
+// order: the tests hold both to the same bound. d % 16 == 0 (bf16_dot_tile).
+
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// qv [d / 2, Mp] (32-bit pairs) <- the tile's rows q_rows [M, d], zero
+// columns M .. Mp.
+DLLM_CPU_NOINLINE inline void pack_query_pairs(const uint16_t* __restrict__ q_rows, int64_t M,
+                                               int64_t d, uint32_t* __restrict__ qv) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  for (int64_t pr = 0; pr < d / 2; ++pr) {
+    uint32_t* dst = qv + pr * Mp;
+    for (int64_t m = 0; m < M; ++m) dst[m] = load_pair(q_rows + m * d + 2 * pr);
+    for (int64_t m = M; m < Mp; ++m) dst[m] = 0;
+  }
+}
+
+// R keys t0 .. t0 + R of S^T against the 16 query lanes c .. c + 16 of qv.
+template <int R>
+__attribute__((target("avx512bf16"))) inline void score_keys(const uint16_t* K, int64_t d,
+                                                             const uint32_t* qv, int64_t Mp,
+                                                             int64_t t0, int64_t c, int64_t M,
+                                                             __mmask16 lanes, float* st) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint16_t* k0 = K + t0 * d;
+  for (int64_t pr = 0; pr < d / 2; ++pr) {
+    const __m512bh qb = (__m512bh)_mm512_loadu_si512(qv + pr * Mp + c);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(
+          acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(k0 + r * d + 2 * pr))),
+          qb);
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(st + (t0 + r) * M + c, lanes, acc[r]);
+}
+
+// S^T [T, M] = K [T, d] . Q_tile^T from qv (pack_query_pairs).
+__attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void scores_bf16_insn(
+    const uint16_t* K, int64_t T, int64_t d, const uint32_t* qv, int64_t M, float* st) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  for (int64_t c = 0; c < Mp; c += 16) {
+    const __mmask16 lanes =
+        M - c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - c)) - 1);
+    int64_t t = 0;
+    for (; t + 12 <= T; t += 12) score_keys<12>(K, d, qv, Mp, t, c, M, lanes, st);
+    for (; t + 4 <= T; t += 4) score_keys<4>(K, d, qv, Mp, t, c, M, lanes, st);
+    for (; t < T; ++t) score_keys<1>(K, d, qv, Mp, t, c, M, lanes, st);
+  }
+}
+
+// vv [ceil(T / 2), d] (32-bit pairs: keys 2j and 2j + 1 of one dim) <- V [T, d].
+__attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void pack_value_pairs(
+    const uint16_t* V, int64_t T, int64_t d, uint32_t* vv) {
+  // Word 2i of a 16-pair block is dim i of the even key, word 2i + 1 dim i
+  // of the odd key (index 32 + i: the second source register).
+  alignas(64) static const uint16_t kInterleave[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  for (int64_t j = 0; j < (T + 1) / 2; ++j) {
+    const uint16_t* even = V + 2 * j * d;
+    const __mmask32 odd_mask = 2 * j + 1 < T ? 0xFFFF : 0;  // an odd T's last key pairs with 0
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512i e = _mm512_maskz_loadu_epi16(0xFFFF, even + c);
+      const __m512i o = _mm512_maskz_loadu_epi16(odd_mask, even + d + c);
+      _mm512_storeu_si512(vv + j * d + c, _mm512_permutex2var_epi16(e, idx, o));
+    }
+  }
+}
+
+// One pair of keys for R rows of O, dims c .. c + 16 * NC: each row's pair
+// of weights broadcast against the values' pairs vrow (vv's row for the keys).
+template <int R, int NC>
+__attribute__((target("avx512bf16"))) inline void value_step(__m512 (&acc)[R][NC],
+                                                             const uint32_t* vrow,
+                                                             const uint32_t (&pairs)[R]) {
+  __m512bh vb[NC];
+  for (int k = 0; k < NC; ++k) vb[k] = (__m512bh)_mm512_loadu_si512(vrow + 16 * k);
+  for (int r = 0; r < R; ++r) {
+    const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r]));
+    for (int k = 0; k < NC; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], pb, vb[k]);
+  }
+}
+
+// Rows m0 .. m0 + R of O, dims c .. c + 16 * NC, summed over the key pairs
+// in order. An odd T's last key pairs with a zero weight (the P row is not
+// read past its end).
+template <int R, int NC>
+__attribute__((target("avx512bf16"))) inline void value_rows(const uint16_t* p, int64_t T,
+                                                             const uint32_t* vv, int64_t d,
+                                                             int64_t m0, int64_t c, float* o) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NC; ++k) acc[r][k] = _mm512_setzero_ps();
+  uint32_t pairs[R];
+  for (int64_t j = 0; j < T / 2; ++j) {
+    for (int r = 0; r < R; ++r) pairs[r] = load_pair(p + (m0 + r) * T + 2 * j);
+    value_step<R, NC>(acc, vv + j * d + c, pairs);
+  }
+  if (T % 2) {
+    for (int r = 0; r < R; ++r) pairs[r] = p[(m0 + r) * T + T - 1];  // upper half: weight 0
+    value_step<R, NC>(acc, vv + (T / 2) * d + c, pairs);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NC; ++k) _mm512_storeu_ps(o + (m0 + r) * d + c + 16 * k, acc[r][k]);
+}
+
+template <int NC>
+__attribute__((target("avx512bf16"))) inline void value_cols(const uint16_t* p, int64_t M,
+                                                             int64_t T, const uint32_t* vv,
+                                                             int64_t d, float* o) {
+  for (int64_t c = 0; c < d; c += 16 * NC) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) value_rows<4, NC>(p, T, vv, d, m, c, o);
+    for (; m < M; ++m) value_rows<1, NC>(p, T, vv, d, m, c, o);
+  }
+}
+
+// O [M, d] (fp32) = P [M, T] (bf16 bits, row stride T) . V from vv.
+__attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void values_bf16_insn(
+    const uint16_t* p, int64_t M, int64_t T, const uint32_t* vv, int64_t d, float* o) {
+  const int64_t n16 = d / 16;  // dims in blocks of 64 where they divide, else 32 or 16
+  if (n16 % 4 == 0)
+    value_cols<4>(p, M, T, vv, d, o);
+  else if (n16 % 2 == 0)
+    value_cols<2>(p, M, T, vv, d, o);
+  else
+    value_cols<1>(p, M, T, vv, d, o);
+}
+#endif
+
 // exp(x) for the softmax weights, DLLM_VEC_FLOATS lanes at a time: Cody-Waite
 // reduction to r in [-ln2/2, ln2/2], degree-7 Taylor polynomial (truncation
 // error < 6e-9, so about 1 ulp of fp32 overall), 2^n through the exponent
