@@ -163,10 +163,14 @@ def _row_scores(state: DecodeState, logits, mode: str, sampling: Sampling,
     B, P, V = logits.shape
     temperature, suppress = sampling.temperature, sampling.suppress
     top_p, top_k = sampling.top_p, sampling.top_k
-    scores = logits.reshape(B * P, V).float()
+    # The op reads bf16 / fp16 rows itself (widened exactly, same bits as on
+    # their float32 copy), so only Dream's filter, which edits the rows, needs
+    # a float32 copy.
+    scores = logits.reshape(B * P, V)
     conf_temperature = float(temperature)
     filtered = False
     if sampling.dream:
+        scores = scores.float()
         # Dream's sample_tokens: the mask token is removed first (it is never an
         # outcome here), then / T, top-p, top-k; token and confidence both come
         # from the processed distribution, so the op runs at temperature 1.

@@ -130,6 +130,35 @@ def test_token_confidence_gumbel_big_vocab(backend):
                           f"V={V}")
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_confidence_half_rows_have_their_float32_copys_bits(monkeypatch, backend, isa):
+    """bf16 / fp16 logits are widened exactly in the op, so both scoring ops
+    give a half row the bits of its float32 copy (the decode loop hands the
+    model's bf16 logits to them without a float32 copy; commit._row_scores)."""
+    if backend != "cpu" and isa != "avx512bf16":
+        pytest.skip("instruction-set levels are the CPU's")
+    fs = {name: op(backend, name) for name in ("token_confidence", "token_confidence_max_prob")}
+    monkeypatch.setenv("DLLM_CPU_ISA", isa)
+    g = _gen(12)
+    for dtype in (torch.bfloat16, torch.float16):
+        for logits, suppress, label in confidence_inputs(dtype, seed=5, big=(dtype == torch.bfloat16)):
+            noise = _gumbel(logits.shape, g)
+            if logits.shape[1] == 1:
+                continue  # no id to suppress
+            if suppress is None:
+                suppress = torch.tensor([logits.shape[1] - 1])
+            for mode, temperature in (("prob", 0.0), ("margin", 0.0), ("neg_entropy", 0.7)):
+                args = (mode, temperature, *to(backend, suppress, noise if temperature else None))
+                for name, extra in (("token_confidence", ()),
+                                    ("token_confidence_max_prob", to(backend, suppress[:1]))):
+                    f = fs[name]
+                    half = f(*to(backend, logits), *args, *extra)
+                    full = f(*to(backend, logits.float()), *args, *extra)
+                    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(half, full)), (
+                        f"{name} {label} {mode}")
+
+
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_token_confidence_cpu_narrow_isa(monkeypatch, isa):
     """The CPU row kernels are compiled per instruction set; the widest the

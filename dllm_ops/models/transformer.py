@@ -43,9 +43,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 GEMM_ROW_TILE = 16
 
 
-def token_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` over ``x [..., C]`` with the token rows zero-padded to a
-    multiple of :data:`GEMM_ROW_TILE` (the padding rows are dropped).
+def pad_token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x [..., C]`` as ``[R, C]`` rows zero-padded to ``R``, a multiple of
+    :data:`GEMM_ROW_TILE`, and the number of real rows (``x`` itself, viewed,
+    when no padding is needed)."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    pad = -rows % GEMM_ROW_TILE
+    return (F.pad(flat, (0, 0, 0, pad)) if pad else flat), rows
+
+
+def token_linears(linears, x: torch.Tensor) -> list[torch.Tensor]:
+    """``[linear(x) for linear in linears]`` over ``x [..., C]`` with the token
+    rows zero-padded once to a multiple of :data:`GEMM_ROW_TILE` (the padding
+    rows are dropped).
 
     Why: the CPU BLAS runs a GEMM of few rows (under ~12 here) through a
     small-matrix path whose sums round differently from the same rows inside
@@ -54,12 +65,14 @@ def token_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     tokens into one call and promises each the numbers it gets alone
     (python_tests/test_engine.py checks this bit for bit, float32 on the CPU).
     """
-    rows = x.numel() // x.shape[-1]
-    pad = -rows % GEMM_ROW_TILE
-    if pad == 0:
-        return linear(x)
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))
-    return linear(flat)[:rows].reshape(*x.shape[:-1], linear.out_features)
+    flat, rows = pad_token_rows(x)
+    lead = x.shape[:-1]
+    return [linear(flat)[:rows].reshape(*lead, linear.out_features) for linear in linears]
+
+
+def token_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` over ``x [..., C]``, rows padded as :func:`token_linears` pads them."""
+    return token_linears((linear,), x)[0]
 
 
 class RMSNorm(nn.Module):
@@ -97,14 +110,9 @@ class Block(nn.Module):
         matrix it saw padded on its own) and ``dllm.silu_mul`` fuses the
         activation.
         """
-        C = h.shape[-1]
-        rows = h.numel() // C
-        flat = h.reshape(rows, C)
-        pad = -rows % GEMM_ROW_TILE
-        if pad:
-            flat = F.pad(flat, (0, 0, 0, pad))
+        flat, rows = pad_token_rows(h)
         out = self.down(ops.silu_mul(self.gate(flat), self.up(flat)))
-        return (out[:rows] if pad else out).reshape(*h.shape[:-1], self.down.out_features)
+        return out[:rows].reshape(*h.shape[:-1], self.down.out_features)
 
     def dense_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """``mlp(ffn_norm(x))`` in plain torch (the differentiable dense forward)."""
@@ -261,7 +269,11 @@ class DiffusionLM(nn.Module):
 
     def logits_at(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[B, P, V]`` of the rows ``rows [B, P]`` of ``h`` (−1: zeros)."""
-        return token_linear(self.lm_head, self.norm(ops.gather_rows(h, rows)))
+        x = ops.gather_rows(h, rows)
+        # The final norm as the layers' fused op over a zero residual (0 + x is
+        # x exactly): one op instead of eager RMSNorm's eight.
+        ops.add_rms_norm_(x, torch.zeros_like(x), self.norm.weight, self.norm.eps)
+        return token_linear(self.lm_head, x)
 
 
 @dataclass
@@ -293,13 +305,15 @@ def full_attention(model: DiffusionLM, li: int, layer: Block, a: torch.Tensor, c
     """Every running row projects its query (unless ``q`` is given), K and V,
     writes K/V into the cache, attends, and applies the output projection.
 
-    The projections are token-wise (:func:`token_linear`), so the server's fused
+    The projections are token-wise (:func:`token_linears`, one padding of the
+    rows for q, k and v), so the server's fused
     call runs them once over every decode's rows (dllm_ops/serve/fused.py) and
     each row still gets these bits."""
     if q is None:
-        q = token_linear(layer.q, a)
-    pre_o = write_and_attend(model, li, q, token_linear(layer.k, a), token_linear(layer.v, a), call)
-    return token_linear(layer.o, pre_o)
+        q, k, v = token_linears((layer.q, layer.k, layer.v), a)
+    else:
+        k, v = token_linears((layer.k, layer.v), a)
+    return token_linear(layer.o, write_and_attend(model, li, q, k, v, call))
 
 
 def write_and_attend(model: DiffusionLM, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -46,7 +46,8 @@ import torch
 
 from ..decode import Decoder, PendingCall
 from ..layer_timer import NO_TIMER
-from ..models.transformer import DiffusionLM, full_attention, token_linear, write_and_attend
+from ..models.transformer import (DiffusionLM, full_attention, token_linear, token_linears,
+                                  write_and_attend)
 from ..plan import KVCache, StepPlan
 
 
@@ -155,7 +156,7 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
                       for i in full]) if len(full) < len(packed.parts) else None
     a_full = a[0] if rows is None else a[0, rows]
     try:
-        q, k, v = (token_linear(w, a_full) for w in (layer.q, layer.k, layer.v))
+        q, k, v = token_linears((layer.q, layer.k, layer.v), a_full)
     except Exception:   # noqa: BLE001 -- find the parts that fail alone
         for i in full:
             value = packed.guarded(i, lambda: full_attention(model, li, layer, packed.part(a, i), calls[i]))
