@@ -45,12 +45,13 @@ GEMM_ROW_TILE = 16
 
 def pad_token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x [..., C]`` as ``[R, C]`` rows zero-padded to ``R``, a multiple of
-    :data:`GEMM_ROW_TILE`, and the number of real rows (``x`` itself, viewed,
-    when no padding is needed)."""
+    :data:`GEMM_ROW_TILE`, and the number of real rows; ``x`` itself (any
+    shape) when its rows are already a multiple."""
     rows = x.numel() // x.shape[-1]
-    flat = x.reshape(rows, x.shape[-1])
     pad = -rows % GEMM_ROW_TILE
-    return (F.pad(flat, (0, 0, 0, pad)) if pad else flat), rows
+    if pad == 0:
+        return x, rows      # the linears take [..., C] as it is
+    return F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad)), rows
 
 
 def token_linears(linears, x: torch.Tensor) -> list[torch.Tensor]:
@@ -66,8 +67,10 @@ def token_linears(linears, x: torch.Tensor) -> list[torch.Tensor]:
     (python_tests/test_engine.py checks this bit for bit, float32 on the CPU).
     """
     flat, rows = pad_token_rows(x)
+    if flat is x:
+        return [linear(x) for linear in linears]
     lead = x.shape[:-1]
-    return [linear(flat)[:rows].reshape(*lead, linear.out_features) for linear in linears]
+    return [linear(flat)[:rows].view(*lead, linear.out_features) for linear in linears]
 
 
 def token_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +89,16 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
+
+
+def fused_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for inference as one ``dllm.add_rms_norm_`` (the layers' fused
+    op): ``x`` is the residual and a zero tensor the branch, so ``x`` keeps its
+    values (``x + 0 == x``) and the normed rows come back in a new tensor; one
+    op instead of the eager norm's eight."""
+    out = torch.zeros_like(x)
+    ops.add_rms_norm_(out, x, norm.weight, norm.eps)
+    return out
 
 
 class Block(nn.Module):
@@ -112,7 +125,7 @@ class Block(nn.Module):
         """
         flat, rows = pad_token_rows(h)
         out = self.down(ops.silu_mul(self.gate(flat), self.up(flat)))
-        return out[:rows].reshape(*h.shape[:-1], self.down.out_features)
+        return out if flat is h else out[:rows].view(*h.shape[:-1], self.down.out_features)
 
     def dense_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """``mlp(ffn_norm(x))`` in plain torch (the differentiable dense forward)."""
@@ -240,7 +253,7 @@ class DiffusionLM(nn.Module):
         for li, layer in enumerate(self.layers):
             timer.start()
             if a is None:
-                a = apply(layer.attn_norm, h)
+                a = apply(lambda x, norm=layer.attn_norm: fused_rms_norm(norm, x), h)
             branch = attention(li, layer, a)
             ops.add_rms_norm_(branch, h, layer.ffn_norm.weight, layer.ffn_norm.eps)
             out = apply(layer.mlp, branch)
@@ -269,11 +282,7 @@ class DiffusionLM(nn.Module):
 
     def logits_at(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[B, P, V]`` of the rows ``rows [B, P]`` of ``h`` (−1: zeros)."""
-        x = ops.gather_rows(h, rows)
-        # The final norm as the layers' fused op over a zero residual (0 + x is
-        # x exactly): one op instead of eager RMSNorm's eight.
-        ops.add_rms_norm_(x, torch.zeros_like(x), self.norm.weight, self.norm.eps)
-        return token_linear(self.lm_head, x)
+        return token_linear(self.lm_head, fused_rms_norm(self.norm, ops.gather_rows(h, rows)))
 
 
 @dataclass
