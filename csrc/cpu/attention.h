@@ -111,17 +111,20 @@ extern template void attend_with_probs<c10::BFloat16>(Isa, const AttnShape&, con
 // scores (quant_attention, which dequantizes V into the buffer K used):
 // attend_scores runs steps 1-2 (and the probabilities) and returns P [M, T];
 // attend_values runs step 3 over V and writes the tile's output rows.
+// V_ahead: the V that step 3 will read, if it exists yet (else null): bf16
+// dot-product tiles prefetch it while they score.
 template <typename T_>
 const T_* attend_scores(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0,
                         int64_t Qt, const T_* q, const T_* K, const bool* valid, float scale,
-                        AttnScratch<T_>& w, float* probs_acc, bool first_head);
+                        AttnScratch<T_>& w, float* probs_acc, bool first_head,
+                        const T_* V_ahead);
 template <typename T_>
 void attend_values(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
                    const T_* p, const T_* V, T_* out, AttnScratch<T_>& w);
 #define DLLM_ATTEND_PHASES(T_)                                                                 \
   extern template const T_* attend_scores<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, \
                                               int64_t, const T_*, const T_*, const bool*, float, \
-                                              AttnScratch<T_>&, float*, bool);                  \
+                                              AttnScratch<T_>&, float*, bool, const T_*);       \
   extern template void attend_values<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t,       \
                                          int64_t, const T_*, const T_*, T_*, AttnScratch<T_>&);
 DLLM_ATTEND_PHASES(float)

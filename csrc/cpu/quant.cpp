@@ -402,8 +402,9 @@ void packed_attention_kernel(const char* op, const QuantAttnShape& s, const Pack
           continue;
         }
         if (one_tile) {
+          const T* no_v = nullptr;  // V is dequantized after the scores
           const T* p = cpu::attend_scores(isa, a, b, kvh, q0, qn, q, k, valid, scale, w,
-                                          nullptr, false);
+                                          nullptr, false, no_v);
           fill_v(bh, v);
           cpu::attend_values(isa, a, b, kvh, q0, qn, p, v, out, w);
         } else {

@@ -217,7 +217,8 @@ bool bf16_dot_tile(Isa isa, int64_t d) {
 template <typename T_>
 const T_* attend_scores(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0,
                         int64_t Qt, const T_* q, const T_* K, const bool* valid, float scale,
-                        AttnScratch<T_>& w, float* probs_acc, bool first_head) {
+                        AttnScratch<T_>& w, float* probs_acc, bool first_head,
+                        const T_* V_ahead) {
   const int64_t G = s.G, d = s.d, T = s.T, M = Qt * G;
   // Q_tile^T [d, M]: column r = qi * G + g is query q0 + qi of head kvh * G + g.
   // The G heads of one query are adjacent in q, so rows are copied G at a time.
@@ -230,7 +231,7 @@ const T_* attend_scores(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int
     isa_avx512::pack_query_pairs(reinterpret_cast<const uint16_t*>(w.q_rows.data()), M, d,
                                  w.q_pairs.data());
     isa_avx512::scores_bf16_insn(reinterpret_cast<const uint16_t*>(K), T, d, w.q_pairs.data(), M,
-                                 w.st.data());
+                                 w.st.data(), reinterpret_cast<const uint16_t*>(V_ahead));
 #endif
   } else {
     DLLM_ISA_CALL(isa, transpose_blocked<E>(reinterpret_cast<const E*>(w.q_rows.data()), M, d,
@@ -279,7 +280,8 @@ template <typename T_>
 void attend_tile(Isa isa, const AttnShape& s, int64_t b, int64_t kvh, int64_t q0, int64_t Qt,
                  const T_* q, const T_* K, const T_* V, const bool* valid, float scale, T_* out,
                  AttnScratch<T_>& w, float* probs_acc, bool first_head) {
-  const T_* p = attend_scores(isa, s, b, kvh, q0, Qt, q, K, valid, scale, w, probs_acc, first_head);
+  const T_* p =
+      attend_scores(isa, s, b, kvh, q0, Qt, q, K, valid, scale, w, probs_acc, first_head, V);
   attend_values(isa, s, b, kvh, q0, Qt, p, V, out, w);
 }
 
@@ -356,7 +358,7 @@ template void attend_with_probs<c10::BFloat16>(Isa, const AttnShape&, const int6
 #define DLLM_ATTEND_PHASES(T_)                                                                \
   template const T_* attend_scores<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t, \
                                        const T_*, const T_*, const bool*, float,                 \
-                                       AttnScratch<T_>&, float*, bool);                          \
+                                       AttnScratch<T_>&, float*, bool, const T_*);               \
   template void attend_values<T_>(Isa, const AttnShape&, int64_t, int64_t, int64_t, int64_t,      \
                                   const T_*, const T_*, T_*, AttnScratch<T_>&);
 DLLM_ATTEND_PHASES(float)

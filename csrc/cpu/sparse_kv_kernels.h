@@ -152,6 +152,16 @@ inline uint32_t load_pair(const uint16_t* p) {
   return v;
 }
 
+// Cache lines of rows r0 .. r1 of a [*, d] bf16 matrix, to L1 ahead of
+// their use: in a decode the K/V of a layer come from DRAM (the layer's
+// weights streamed through the caches since the last call), and the tile
+// reads them in order, a few hundred bytes a step.
+inline void prefetch_rows(const uint16_t* a, int64_t d, int64_t r0, int64_t r1) {
+  const char* p = reinterpret_cast<const char*>(a + r0 * d);
+  const char* end = reinterpret_cast<const char*>(a + r1 * d);
+  for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
 // qv [d / 2, Mp] (32-bit pairs) <- the tile's rows q_rows [M, d], zero
 // columns M .. Mp.
 DLLM_CPU_NOINLINE inline void pack_query_pairs(const uint16_t* __restrict__ q_rows, int64_t M,
@@ -183,15 +193,25 @@ __attribute__((target("avx512bf16"))) inline void score_keys(const uint16_t* K, 
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(st + (t0 + r) * M + c, lanes, acc[r]);
 }
 
-// S^T [T, M] = K [T, d] . Q_tile^T from qv (pack_query_pairs).
+// S^T [T, M] = K [T, d] . Q_tile^T from qv (pack_query_pairs); V_ahead (or
+// null): the values the tile reads next, prefetched on the way.
 __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void scores_bf16_insn(
-    const uint16_t* K, int64_t T, int64_t d, const uint32_t* qv, int64_t M, float* st) {
+    const uint16_t* K, int64_t T, int64_t d, const uint32_t* qv, int64_t M, float* st,
+    const uint16_t* V) {
   const int64_t Mp = (M + 15) / 16 * 16;
   for (int64_t c = 0; c < Mp; c += 16) {
     const __mmask16 lanes =
         M - c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - c)) - 1);
     int64_t t = 0;
-    for (; t + 12 <= T; t += 12) score_keys<12>(K, d, qv, Mp, t, c, M, lanes, st);
+    for (; t + 12 <= T; t += 12) {
+      // K's next rows, past the end into the next KV head's (the cache is
+      // [B, H_kv, T, d]; a prefetch of any address is harmless).
+      if (c == 0) {
+        prefetch_rows(K, d, t == 0 ? 0 : t + 24, t + 36);
+        if (V) prefetch_rows(V, d, t, t + 12);
+      }
+      score_keys<12>(K, d, qv, Mp, t, c, M, lanes, st);
+    }
     for (; t + 4 <= T; t += 4) score_keys<4>(K, d, qv, Mp, t, c, M, lanes, st);
     for (; t < T; ++t) score_keys<1>(K, d, qv, Mp, t, c, M, lanes, st);
   }
@@ -207,6 +227,7 @@ __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void pack_value_p
       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i idx = _mm512_load_si512(kInterleave);
   for (int64_t j = 0; j < (T + 1) / 2; ++j) {
+    if (j % 4 == 0) prefetch_rows(V, d, 2 * j + 16, std::min<int64_t>(T, 2 * j + 24));
     const uint16_t* even = V + 2 * j * d;
     const __mmask32 odd_mask = 2 * j + 1 < T ? 0xFFFF : 0;  // an odd T's last key pairs with 0
     for (int64_t c = 0; c < d; c += 16) {

@@ -77,7 +77,12 @@ def pack_weight(w: torch.Tensor):
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` on a weight from :func:`pack_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # The op folds [..., K] to rows itself, in six reshape / view ops a call;
+    # two views here do the same.
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def same_as_linear(w: torch.Tensor, packed, bias: torch.Tensor | None) -> bool:

@@ -43,6 +43,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 GEMM_ROW_TILE = 16
 
 
+def padded_call_idx(idx: torch.Tensor) -> torch.Tensor:
+    """A call's positions ``idx [B, Q]`` with −1 columns appended until ``B * Q``
+    is a multiple of :data:`GEMM_ROW_TILE`, so every token-row GEMM of the call
+    runs without padding its rows (:func:`pad_token_rows` returns them as they
+    are; one −1 row costs its share of the call's work and nothing else: it
+    writes no K/V and no logits, and its attention rows are recorded with
+    position −1, as every padding entry is)."""
+    B, Q = idx.shape
+    pad = 0
+    while B * (Q + pad) % GEMM_ROW_TILE:
+        pad += 1
+    return F.pad(idx, (0, pad), value=-1) if pad else idx
+
+
 def pad_token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x [..., C]`` as ``[R, C]`` rows zero-padded to ``R``, a multiple of
     :data:`GEMM_ROW_TILE`, and the number of real rows; ``x`` itself (any
@@ -213,12 +227,13 @@ class DiffusionLM(nn.Module):
         (:data:`FULL_RECOMPUTE`). ``layer_timer``
         (dllm_ops.layer_timer.LayerTimer) records each layer's time.
         """
-        h = self.embed_tokens(x, plan.idx)
-        call = self.layer_call(plan.idx, cache, return_probs)
+        idx = padded_call_idx(plan.idx)
+        h = self.embed_tokens(x, idx)
+        call = self.layer_call(idx, cache, return_probs)
         branch = FULL_RECOMPUTE if reuse is None else reuse
         h = self.run_layers(h, lambda li, layer, a: branch.attention_branch(self, li, layer, a, call),
                             NO_TIMER if layer_timer is None else layer_timer)
-        return self.logits_at(h, self.logit_rows(plan, x.shape[1]))
+        return self.logits_at(h, self.logit_rows(StepPlan(idx, plan.logits_idx), x.shape[1]))
 
     # ---- the pieces of `step` (the server's fused call over many decodes runs the same ones) ----
     def embed_tokens(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
