@@ -461,6 +461,12 @@ MUTATIONS = [
              "certainty prior: the block's own slice of D(sigma)"),
 
     # ==== Python: caches and the loop =============================================
+    Mutation("call-padding-rows-write-no-kv",
+             "dllm_ops/models/transformer.py",
+             "    return F.pad(idx, (0, pad), value=-1) if pad else idx",
+             "    return F.pad(idx, (0, pad), value=0) if pad else idx",
+             (T_DECODE + "test_generate_equals_reference_loop[cpu-unmask=topk-steps=16-none]",),
+             "a call's padding rows (to a multiple of 16) are position -1: no K/V, no logits"),
     Mutation("block-start-full-forward",
              "dllm_ops/policies/base.py",
              "return state.plan_for(state.valid_and_active())",
