@@ -71,10 +71,13 @@ namespace dllm {
 namespace cpu {
 
 // kAvx512Bf16 runs the AVX-512 copy and lets a kernel use AVX512-BF16's
-// conversions too (functions with their own target attribute, picked by
-// testing the level at run time; today bf16 K dequantization in the quant
-// family and bf16 RoPE rows in sparse_kv, both giving the AVX-512 copy's
-// bits). It is not a copy of its own: DLLM_ISA_CALL maps it to isa_avx512.
+// instructions too (functions with their own target attribute, picked by
+// testing the level at run time): its conversions in bf16 K dequantization
+// (quant) and bf16 RoPE rows (sparse_kv), both giving the AVX-512 copy's
+// bits, and its dot products in the bf16 attention tiles (sparse_attention,
+// quant_attention, two_source_attention), which sum in another order than
+// the BLAS calls below this level and are held to the same bound. It is not
+// a copy of its own: DLLM_ISA_CALL maps it to isa_avx512.
 enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 inline const char* isa_name(Isa isa) {

@@ -1,5 +1,6 @@
 // The vectorized loops of the `sparse_kv` CPU kernels (csrc/cpu/sparse_kv.cpp):
 // RoPE rows and the softmax, transpose and head-sum passes of sparse_attention,
+// plus its bf16 products on AVX512-BF16 dot products (the AVX-512 copy only),
 // compiled once per instruction set (cpu/isa.h; no include guard). With FMA
 // (the AVX2 and AVX-512 copies) GCC contracts the multiply-adds of exp_poly
 // and rope_rotate_pair, so results differ in the last bit between copies:
