@@ -217,7 +217,8 @@ class DiffusionLM(nn.Module):
         ``return_probs`` the head-averaged attention rows of every layer are
         left in ``cache.probs`` (d²Cache rollout, KV-quant importance), and
         ``cache.probs_idx`` holds per layer the canvas position of each row
-        (−1 where the row did not attend: padding, or a DARE-O reused row).
+        (−1 for padding rows, including the call's own padding to a multiple
+        of :data:`GEMM_ROW_TILE` rows, and for a DARE-O reused row).
 
         ``reuse`` is the per-layer reuse rule: an object whose
         ``attention_branch(model, layer_index, layer, a, call)`` returns the
