@@ -25,6 +25,10 @@ struct AttnShape {
   int64_t B, Q, H, H_kv, G, T, d;
 };
 
+// Query lanes of the bf16 dot-product tiles (sparse_kv_kernels.h): the
+// tile's M query rows rounded up to whole registers of 16.
+inline int64_t pair_lanes(int64_t M) { return (M + 15) / 16 * 16; }
+
 // Per-thread scratch of one work unit (sized for the largest tile).
 template <typename T_>
 struct AttnScratch {
@@ -37,7 +41,7 @@ struct AttnScratch {
       : q_rows(M * d), qt(d * M), p(M * T), st(T * M), pf(with_probs ? M * T : 0), o(M * d),
         mx(M), sum(M), inv(M) {
     if constexpr (std::is_same_v<T_, c10::BFloat16>) {
-      q_pairs.resize((d / 2) * ((M + 15) / 16 * 16));
+      q_pairs.resize((d / 2) * pair_lanes(M));
       v_pairs.resize((T + 1) / 2 * d);
     }
   }

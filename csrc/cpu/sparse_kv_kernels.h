@@ -167,7 +167,7 @@ inline void prefetch_rows(const uint16_t* a, int64_t d, int64_t r0, int64_t r1) 
 // columns M .. Mp.
 DLLM_CPU_NOINLINE inline void pack_query_pairs(const uint16_t* __restrict__ q_rows, int64_t M,
                                                int64_t d, uint32_t* __restrict__ qv) {
-  const int64_t Mp = (M + 15) / 16 * 16;
+  const int64_t Mp = cpu::pair_lanes(M);
   for (int64_t pr = 0; pr < d / 2; ++pr) {
     uint32_t* dst = qv + pr * Mp;
     for (int64_t m = 0; m < M; ++m) dst[m] = load_pair(q_rows + m * d + 2 * pr);
@@ -198,8 +198,8 @@ __attribute__((target("avx512bf16"))) inline void score_keys(const uint16_t* K, 
 // null): the values the tile reads next, prefetched on the way.
 __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void scores_bf16_insn(
     const uint16_t* K, int64_t T, int64_t d, const uint32_t* qv, int64_t M, float* st,
-    const uint16_t* V) {
-  const int64_t Mp = (M + 15) / 16 * 16;
+    const uint16_t* V_ahead) {
+  const int64_t Mp = cpu::pair_lanes(M);
   for (int64_t c = 0; c < Mp; c += 16) {
     const __mmask16 lanes =
         M - c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - c)) - 1);
@@ -209,7 +209,7 @@ __attribute__((target("avx512bf16"))) DLLM_CPU_NOINLINE inline void scores_bf16_
       // [B, H_kv, T, d]; a prefetch of any address is harmless).
       if (c == 0) {
         prefetch_rows(K, d, t == 0 ? 0 : t + 24, t + 36);
-        if (V) prefetch_rows(V, d, t, t + 12);
+        if (V_ahead) prefetch_rows(V_ahead, d, t, t + 12);
       }
       score_keys<12>(K, d, qv, Mp, t, c, M, lanes, st);
     }

@@ -234,7 +234,9 @@ class DiffusionLM(nn.Module):
         branch = FULL_RECOMPUTE if reuse is None else reuse
         h = self.run_layers(h, lambda li, layer, a: branch.attention_branch(self, li, layer, a, call),
                             NO_TIMER if layer_timer is None else layer_timer)
-        return self.logits_at(h, self.logit_rows(StepPlan(idx, plan.logits_idx), x.shape[1]))
+        # The padding columns come after the plan's own, so each plan row keeps
+        # its row number in h: the plan maps the logits rows as it is.
+        return self.logits_at(h, self.logit_rows(plan, x.shape[1]))
 
     # ---- the pieces of `step` (the server's fused call over many decodes runs the same ones) ----
     def embed_tokens(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
