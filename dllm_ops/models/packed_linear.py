@@ -12,15 +12,25 @@ weight is checked against ``F.linear`` once when it is built, and a mismatch
 (a CPU or oneDNN build where the two differ) turns packing off for that
 layer instead of changing any number.
 
-The packed copy is a cache beside the parameter (not in the state dict): it
+On a CPU whose oneDNN has no bf16 GEMM (AVX2 without AVX512-BF16 or AMX:
+Zen 2/3, most Intel before Cooper Lake), torch's bf16 ``F.linear`` runs at
+about 10 GFLOP/s here (2026-12-04, AMD EPYC Zen 3, one thread; float32 sgemm
+on the same rows: 30-74 GFLOP/s). There the copy is the weight widened to
+float32 once, and the product is MKL's sgemm on the widened operands, rounded
+to bf16 once: the contract of bf16 ``F.linear`` (bf16 operands, float32
+accumulation, one rounding) in sgemm's summation order, so its bits can differ
+from ``F.linear``'s in the last place (python_tests/test_packed_linear.py
+bounds it). The widened copy costs twice the bf16 weight.
+
+The copy is a cache beside the parameter (not in the state dict): it
 is rebuilt when the weight changes (a new tensor or an in-place write), used
-only without autograd, only for bf16 on the CPU with oneDNN bf16 support, and
+only without autograd, only for bf16 on the CPU, and
 costs one more copy of every packed weight in memory. So that a model that
 fits does not stop fitting, the packed copies of all live layers together stay
 within :data:`PACK_BUDGET_BYTES` (a quarter of the machine's memory unless
 ``DLLM_CPU_PACKED_GEMM_BUDGET`` gives bytes): a layer whose copy would not fit
 runs on ``F.linear`` (the same numbers, the unpacked speed).
-``DLLM_CPU_PACKED_GEMM=0`` in the environment turns packing off.
+``DLLM_CPU_PACKED_GEMM=0`` in the environment turns both copies off.
 """
 from __future__ import annotations
 
@@ -43,7 +53,16 @@ def packing_available() -> bool:
         return False
 
 
+def widening_available() -> bool:
+    """Whether bf16 linears run on a float32 weight copy: a CPU torch without
+    oneDNN bf16 (see the module doc; the env switch turns it off too)."""
+    if os.environ.get("DLLM_CPU_PACKED_GEMM", "1") == "0":
+        return False
+    return not packing_available()
+
+
 _AVAILABLE = packing_available()
+_WIDEN = widening_available()
 
 
 def _default_budget() -> int:
@@ -85,6 +104,18 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.T
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def widen_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` bf16 as a contiguous float32 copy (exact: bf16 widens without rounding)."""
+    return w.float().contiguous()
+
+
+def widened_linear(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 ``x @ W.T + bias`` on a weight from :func:`widen_weight`: float32
+    sgemm of the widened operands, rounded to bf16 once."""
+    b32 = None if bias is None else bias.float()
+    return F.linear(x.float(), w32, b32).to(torch.bfloat16)
+
+
 def same_as_linear(w: torch.Tensor, packed, bias: torch.Tensor | None) -> bool:
     """Whether the packed product equals ``F.linear`` bit for bit on a fixed probe
     (17 rows: one full row tile of the packing hint and a remainder)."""
@@ -109,14 +140,16 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (not _AVAILABLE or self._packing_failed or x.dtype != torch.bfloat16
+        if (not (_AVAILABLE or _WIDEN) or self._packing_failed or x.dtype != torch.bfloat16
                 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, self.bias)
         packed = self._packed_weight()
         if packed is None:
             return F.linear(x, w, self.bias)
-        return packed_linear(x, packed, self.bias)
+        if _AVAILABLE:
+            return packed_linear(x, packed, self.bias)
+        return widened_linear(x, packed, self.bias)
 
     def _packed_weight(self):
         w = self.weight
@@ -124,9 +157,14 @@ class Linear(nn.Linear):
         if self._packed_key != key:
             self._packed, self._packed_key, self._packed_nbytes = None, key, 0
             _HOLDERS.discard(self)
-            nbytes = w.numel() * w.element_size()
+            nbytes = w.numel() * (w.element_size() if _AVAILABLE else 4)
             if packed_bytes() + nbytes > PACK_BUDGET_BYTES:
                 return None          # over the budget: F.linear; tried again if the weight changes
+            if not _AVAILABLE:       # the float32 copy: exact, nothing to check
+                with torch.no_grad():
+                    self._packed, self._packed_nbytes = widen_weight(w.detach()), nbytes
+                _HOLDERS.add(self)
+                return self._packed
             try:
                 with torch.no_grad():
                     packed = pack_weight(w.detach())
