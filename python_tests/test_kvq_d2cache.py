@@ -55,11 +55,13 @@ def _ref_kvq(model, method, bits):
 # the two decodes drift apart. Which runs agree even changes with the thread
 # count (the GEMMs' blocking changes the float32 rounding): on the shipped
 # models, 2 calib prompts each, 7 of the 16 (model, method, bits, prompt) runs
-# agree at 1 thread and 7 at 2, these 6 at both. The storage rule itself is
+# agree at 1 thread and 7 at 2, 6 at both; the CPU's BLAS kernels move it too
+# (an AVX2 Zen 3 at 1 thread, 2026-12-04: 6 agree, one of them not among the
+# AVX512 machine's), so these are the 5 that agree on both. The storage rule itself is
 # checked bit for bit, call by call, by test_each_repack_is_the_reference_image;
 # these runs are kept (at 1 thread, as CI's earlier tests may leave it) so that
 # a change of the decode's semantics shows up end to end.
-AGREE = [("llada", "kivi", 2, "add"), ("llada", "kivi", 4, "add"), ("llada", "kivi", 4, "scan"),
+AGREE = [("llada", "kivi", 2, "add"), ("llada", "kivi", 4, "scan"),
          ("llada", "kvq", 4, "add"), ("dream", "kivi", 4, "scan"), ("dream", "kvq", 4, "scan")]
 
 

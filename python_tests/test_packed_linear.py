@@ -266,3 +266,18 @@ def test_a_bf16_model_step_copies_every_linear_and_decodes_the_same_tokens(kind,
     assert on == off
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 7 + 1 and all(m._packed is not None for m in linears)
+
+
+def test_linears_sharing_an_input_get_each_its_own_product(kind):
+    """q/k/v (and gate/up) widen their shared input once: the same bits as one by one."""
+    lins = [make(96, 96, bias=True, seed=1), make(96, 40, seed=2), make(96, 17, bias=True, seed=3)]
+    x = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.no_grad():
+        together = pl.shared_input_linears(lins, x)
+        alone = [m(x) for m in lins]
+        assert all(torch.equal(a, b) for a, b in zip(together, alone))
+        plain = torch.nn.Linear(96, 8).to(torch.bfloat16)           # no copy: each runs alone
+        got = pl.shared_input_linears(lins[:2] + [plain], x)
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[2], plain(x))
+    for m, y in zip(lins, together):
+        assert_product(kind, m, x.reshape(32, 96), y.reshape(32, -1))

@@ -697,7 +697,7 @@ MUTATIONS = [
              "dllm_ops/quant/cache.py",
              "packed_valid = self.layout.valid & ~self._slot_mask(written)",
              "packed_valid = self.layout.valid",
-             ("python_tests/test_kvq_d2cache.py::test_packed_d2cache_equals_reference[llada-kivi-4-add]",),
+             ("python_tests/test_kvq_d2cache.py::test_packed_d2cache_equals_reference[llada-kivi-4-scan]",),
              "packed d2cache: a recomputed token is read from its new K/V, not its packed slot"),
     Mutation("kvq-d2cache-repack-pads-before-qerror",
              "dllm_ops/quant/cache.py",

@@ -111,9 +111,21 @@ def widen_weight(w: torch.Tensor) -> torch.Tensor:
 
 def widened_linear(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """bf16 ``x @ W.T + bias`` on a weight from :func:`widen_weight`: float32
-    sgemm of the widened operands, rounded to bf16 once."""
+    sgemm of the widened operands, rounded to bf16 once (``x`` may come widened)."""
     b32 = None if bias is None else bias.float()
     return F.linear(x.float(), w32, b32).to(torch.bfloat16)
+
+
+def shared_input_linears(linears, x: torch.Tensor) -> list[torch.Tensor]:
+    """``[linear(x) for linear in linears]``, the same numbers; where every one of
+    them runs on a float32 copy, ``x`` is widened once for all (q/k/v, gate/up)."""
+    if _AVAILABLE or not _WIDEN or len(linears) < 2 or not all(isinstance(m, Linear) for m in linears):
+        return [linear(x) for linear in linears]
+    copies = [m.copy_for(x) for m in linears]
+    if any(c is None for c in copies):
+        return [linear(x) for linear in linears]
+    x32 = x.float()
+    return [widened_linear(x32, c, m.bias) for m, c in zip(linears, copies)]
 
 
 def same_as_linear(w: torch.Tensor, packed, bias: torch.Tensor | None) -> bool:
@@ -139,17 +151,21 @@ class Linear(nn.Linear):
         return {k: v for k, v in state.items() if k not in ("_packed", "_packed_key", "_packed_nbytes")}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.copy_for(x)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if _AVAILABLE:
+            return packed_linear(x, packed, self.bias)
+        return widened_linear(x, packed, self.bias)
+
+    def copy_for(self, x: torch.Tensor):
+        """The weight copy ``self(x)`` runs on, or None where it runs ``F.linear``."""
         w = self.weight
         if (not (_AVAILABLE or _WIDEN) or self._packing_failed or x.dtype != torch.bfloat16
                 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
-            return F.linear(x, w, self.bias)
-        packed = self._packed_weight()
-        if packed is None:
-            return F.linear(x, w, self.bias)
-        if _AVAILABLE:
-            return packed_linear(x, packed, self.bias)
-        return widened_linear(x, packed, self.bias)
+            return None
+        return self._packed_weight()
 
     def _packed_weight(self):
         w = self.weight

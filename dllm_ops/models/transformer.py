@@ -20,7 +20,7 @@ from ..plan import KVCache, StepPlan
 from ..layer_timer import NO_TIMER
 from ..rope import rope_cos_sin
 from .config import ModelConfig
-from .packed_linear import Linear
+from .packed_linear import Linear, shared_input_linears
 
 
 def rotary_cos_sin(table: torch.Tensor, positions: torch.Tensor):
@@ -82,9 +82,10 @@ def token_linears(linears, x: torch.Tensor) -> list[torch.Tensor]:
     """
     flat, rows = pad_token_rows(x)
     if flat is x:
-        return [linear(x) for linear in linears]
+        return shared_input_linears(linears, x)
     lead = x.shape[:-1]
-    return [linear(flat)[:rows].view(*lead, linear.out_features) for linear in linears]
+    return [y[:rows].view(*lead, linear.out_features)
+            for linear, y in zip(linears, shared_input_linears(linears, flat))]
 
 
 def token_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class Block(nn.Module):
         activation.
         """
         flat, rows = pad_token_rows(h)
-        out = self.down(ops.silu_mul(self.gate(flat), self.up(flat)))
+        out = self.down(ops.silu_mul(*shared_input_linears((self.gate, self.up), flat)))
         return out if flat is h else out[:rows].view(*h.shape[:-1], self.down.out_features)
 
     def dense_mlp(self, x: torch.Tensor) -> torch.Tensor:
