@@ -23,6 +23,15 @@ the same prompts decoded one after another by in-process ``generate``
 (``x_seq``). ``--spawn`` starts the server with ``--max-running`` = the
 largest concurrency (``--threads`` torch threads, float32 on the CPU) and
 stops it with SIGTERM.
+
+Where the CPU goes, per answered request (milliseconds): ``srv_cpu`` the
+server process's CPU time (Linux ``/proc``, ``--spawn`` only), ``engine``
+the wall time of its engine calls (``dllm_model_call_seconds_sum`` from
+``/metrics``: plan, fused forward and commit, one at a time), and
+``cli_cpu`` this load generator's own CPU time. The server's CPU outside the
+engine calls is its HTTP, JSON and SSE work; on a machine whose cores are
+shared by server and client, ``cores / (srv_cpu + cli_cpu)`` bounds the
+throughput whatever the batching.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -166,6 +176,56 @@ def sequential_generate(model_name: str, prompts: list[Prompt], block_length: in
     return texts, time.perf_counter() - t0, tokens
 
 
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """User + system CPU seconds of a process (None: this one), or None where
+    ``/proc`` cannot tell (another OS, a process that ended)."""
+    if pid is None:
+        import resource
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def engine_call_s(url: str) -> float | None:
+    """The server's summed engine-call seconds from ``GET /metrics`` (None if unreadable)."""
+    import urllib.request
+
+    from .serve_memory import metric
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            return metric(r.read().decode(), "dllm_model_call_seconds_sum")
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class CpuMeter:
+    """CPU and engine seconds over one level: :meth:`start`, then :meth:`per_request`."""
+
+    def __init__(self, url: str, server_pid: int | None):
+        self.url, self.pid = url, server_pid
+
+    def _read(self):
+        return (process_cpu_s(), None if self.pid is None else process_cpu_s(self.pid),
+                engine_call_s(self.url))
+
+    def start(self) -> None:
+        self.before = self._read()
+
+    def per_request(self, n_ok: int) -> dict:
+        """Milliseconds per answered request: ``cli_cpu_ms``, ``srv_cpu_ms``, ``engine_ms``
+        (each left out where it could not be read)."""
+        after, out = self._read(), {}
+        for key, b, a in zip(("cli_cpu_ms", "srv_cpu_ms", "engine_ms"), self.before, after):
+            if a is not None and b is not None and n_ok:
+                out[key] = 1e3 * (a - b) / n_ok
+        return out
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -199,7 +259,8 @@ COLUMNS = [("concurrency", "conc", "d"), ("requests", "reqs", "d"), ("ok", "ok",
            ("req_s", "req/s", ".2f"), ("tok_s", "tok/s", ".1f"), ("x_seq", "x_seq", ".2f"),
            ("ttft_p50_ms", "ttft50", ".0f"), ("ttft_p99_ms", "ttft99", ".0f"),
            ("gap_p50_ms", "gap50", ".0f"), ("gap_p99_ms", "gap99", ".0f"),
-           ("lat_p50_ms", "lat50", ".0f"), ("lat_p99_ms", "lat99", ".0f")]
+           ("lat_p50_ms", "lat50", ".0f"), ("lat_p99_ms", "lat99", ".0f"),
+           ("srv_cpu_ms", "srv_cpu", ".2f"), ("engine_ms", "engine", ".2f"), ("cli_cpu_ms", "cli_cpu", ".2f")]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -246,11 +307,14 @@ def cmd_serve(args) -> int:
     else:
         url, served = _check_loopback(args.url), args.served_model_name or args.model or "tiny-llada"
     rows = []
+    meter = CpuMeter(url, server.proc.pid if server is not None else None)
     try:
         for c in levels:
             prompts = prompts_by_level[c]
+            meter.start()
             results, wall = asyncio.run(run_level(url, served, prompts, c, args.time_limit, BLOCK_LENGTH))
             row = summarize(c, results, wall, reference[: len(prompts)] if reference else None, seq_req_s)
+            row.update(meter.per_request(row["ok"]))
             rows.append(row)
             print(f"concurrency {c}: {row['ok']}/{row['requests']} ok, {row['req_s']:.2f} req/s, "
                   f"{row['errors']} errors, {row['lost']} lost", flush=True)

@@ -238,3 +238,31 @@ def test_bench_decode_warms_each_mode_up_before_timing_it(warmup, monkeypatch, c
     assert "decode none" in err and "decode dual" in err and "tok" in err   # tqdm on stderr
     rows = list(csv.DictReader(open(out)))
     assert [r["cache"] for r in rows] == ["none", "dual"] and float(rows[0]["speedup_wall"]) == 1.0
+
+
+# ---- where a served request's CPU goes (bench/serve.py) --------------------
+
+def test_process_cpu_reads_proc_and_rusage():
+    import os
+    import sys
+
+    from bench.serve import process_cpu_s
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    mine, via_proc = process_cpu_s(), process_cpu_s(os.getpid())
+    assert mine > 0 and via_proc is not None and abs(mine - via_proc) < 0.5   # ticks vs rusage
+    assert process_cpu_s(2 ** 22 + 12345) is None                            # no such process
+
+
+def test_cpu_meter_reports_milliseconds_per_answered_request(monkeypatch):
+    from bench import serve
+    readings = iter([(1.0, 10.0, 2.0), (1.5, 12.0, 2.8)])
+    monkeypatch.setattr(serve.CpuMeter, "_read", lambda self: next(readings))
+    meter = serve.CpuMeter("http://127.0.0.1:1", 123)
+    meter.start()
+    got = meter.per_request(4)
+    assert got == pytest.approx(dict(cli_cpu_ms=125.0, srv_cpu_ms=500.0, engine_ms=200.0))
+    readings = iter([(1.0, None, None), (2.0, None, 5.0)])
+    meter.start()
+    assert meter.per_request(2) == pytest.approx(dict(cli_cpu_ms=500.0))   # unreadable ones left out
+    assert serve.engine_call_s("http://127.0.0.1:9") is None               # nothing listens there
