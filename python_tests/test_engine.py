@@ -127,8 +127,9 @@ def test_batch_invariance_with_requests_joining_and_leaving(arch, request):
     """Six methods, three prompt lengths, two block and two region lengths, joining
     at different calls; one request is cancelled mid-decode and one finishes
     early: every other answer is generate's alone, token for token. In float32
-    (MKL's sgemm) and in bf16 (where the CPU has it, the linears run on packed
-    oneDNN weights: dllm_ops/models/packed_linear.py)."""
+    (MKL's sgemm) and in bf16 (the linears on packed oneDNN weights where the
+    CPU has oneDNN bf16, else on float32 weight copies through sgemm:
+    dllm_ops/models/packed_linear.py)."""
     name, _, bf16 = arch.partition("-")
     model = load(f"tiny-{name}", dtype=torch.bfloat16) if bf16 else request.getfixturevalue(name)
     engine = Engine(model, max_running=16)
