@@ -17,8 +17,10 @@ _STRICT = os.environ.get("DLLM_REQUIRE_CUDA") == "1"
 # "ray": test_serve_ray.py skips at import where Ray is absent (the lent GPU
 # image has none), and a module skipped at collection made strict would be a
 # collection error that stops the whole gpu-check pytest run; it is marked
-# slow, so gpu-check's -m "not slow" would not run it anyway.
-OPTIONAL_MODULES = ("lm_eval", "ray")
+# slow, so gpu-check's -m "not slow" would not run it anyway. "pydantic" and
+# "fastapi": the server's stack, absent from that image too; test_server.py
+# skips at import there (it has no CUDA tests).
+OPTIONAL_MODULES = ("lm_eval", "ray", "pydantic", "fastapi")
 
 
 def _fail_skip(report, what):
