@@ -23,6 +23,7 @@ from setuptools.command.build_py import build_py
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from cuda_home import find_cuda_home  # noqa: E402
+from libstdcxx import libstdcxx_to_link  # noqa: E402
 
 # torch.utils.cpp_extension reads CUDA_HOME once, at import: set it first.
 _cuda_home = find_cuda_home()
@@ -57,7 +58,16 @@ def extensions():
     cxx = opt + ["-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
     if _flag("DLLM_NATIVE"):
         cxx.append("-march=native")
-    common = dict(include_dirs=[csrc], extra_link_args=["-fopenmp"])
+    link = ["-fopenmp"]
+    # A compiler that links libstdc++ statically would give _C a second copy
+    # beside torch's, and number formatting in its error messages breaks
+    # (tools/libstdcxx.py): link torch's shared one instead.
+    libstdcxx = libstdcxx_to_link()
+    if libstdcxx:
+        print(f"dllm_ops: {os.environ.get('CXX', 'c++')} links libstdc++ statically; "
+              f"linking _C against {libstdcxx} (the one torch loaded) instead")
+        link.append(libstdcxx)
+    common = dict(include_dirs=[csrc], extra_link_args=link)
     if want_cuda():
         sources += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(csrc, "cuda", "*.cu")))
         nvcc = opt + ["-lineinfo", "--expt-relaxed-constexpr",

@@ -231,6 +231,15 @@ MUTATIONS = [
              "    return t < Tp && two_source_valid(packed_valid, full, b, Tp, t);",
              SIM, "two_source_attention: the probabilities cover the full-precision keys too"),
 
+    # -- build: one libstdc++ in the process
+    Mutation("libstdcxx-static-link-not-detected",
+             "tools/libstdcxx.py",
+             "    return needed is not None and not any(n.startswith(\"libstdc++\") for n in needed)\n",
+             "    return False\n",
+             ("python_tests/test_libstdcxx.py::test_a_compiler_that_links_libstdcxx_statically_is_caught",),
+             "build: a compiler that links libstdc++ statically gets torch's shared one on _C's link line",
+             fast=True),
+
     # -- models: bf16 CPU linears on a packed weight
     Mutation("packed-linear-probe-check-ignored",
              "dllm_ops/models/packed_linear.py",

@@ -1,0 +1,93 @@
+"""Make _C use the process's libstdc++, also where the compiler would link its own.
+
+Some compilers' drivers link libstdc++ statically into every shared object
+(the lent GPU machine's /opt/gcc does: its _C had no libstdc++.so.6 among its
+needed libraries). torch has already loaded the shared libstdc++ when _C is
+imported, and the dynamic linker then binds part of _C's references to that
+copy and part to the copy inside _C. The two copies number locale facets
+differently, so an ostream inside _C picks the wrong facet when it formats a
+number: every `dllm::<op>:` error that prints a shape or a count segfaulted on
+the GPU machine (`make gpu-check`, 2026-12-04), and came out cut at the first
+number on a CPU with a stand-in for that compiler.
+
+setup.py asks `libstdcxx_to_link()`: it links a one-line probe with the
+compiler torch will use and, when the probe carries libstdc++ inside it, names
+the shared libstdc++ this process has loaded (torch's), which setup.py then
+puts on _C's link line. The linker resolves libstdc++'s symbols from that
+library first, so nothing is taken from the static archive the driver adds at
+the end. Everywhere else the function returns None and the build is unchanged.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+# One function that formats a number through an ostream: a shared-linked probe
+# imports std::ostream::_M_insert<long> from libstdc++.so.6, a static one
+# carries it.
+_PROBE = "#include <sstream>\n#include <string>\n" \
+         "std::string dllm_probe(long x) { std::ostringstream s; s << x; return s.str(); }\n"
+
+
+def compiler() -> str:
+    """The C++ compiler torch's extension build compiles and links with."""
+    return os.environ.get("CXX", "c++")
+
+
+def needed_libraries(path: str) -> list[str] | None:
+    """The DT_NEEDED entries of a shared object (readelf -d), None when unreadable."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    out = subprocess.run([readelf, "-d", path], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return [line.split("[", 1)[1].split("]", 1)[0]
+            for line in out.stdout.splitlines() if "(NEEDED)" in line and "[" in line]
+
+
+def links_libstdcxx_statically(cxx: str | None = None) -> bool:
+    """True when `cxx` links a shared object that uses libstdc++ without
+    needing libstdc++.so (the library went in statically). False when it
+    needs it, and when the probe cannot be built or read (no change then)."""
+    cxx = cxx or compiler()
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write(_PROBE)
+        try:
+            built = subprocess.run([*cxx.split(), "-shared", "-fPIC", "-O1", src, "-o", lib],
+                                   capture_output=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        if built.returncode != 0:
+            return False
+        needed = needed_libraries(lib)
+    return needed is not None and not any(n.startswith("libstdc++") for n in needed)
+
+
+def loaded_libstdcxx() -> str | None:
+    """The shared libstdc++ this process has mapped (torch's, once torch is imported)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def libstdcxx_to_link(cxx: str | None = None) -> str | None:
+    """The shared libstdc++ to put on _C's link line, or None where the
+    compiler already links it as a shared library (or none is loaded)."""
+    if not links_libstdcxx_statically(cxx):
+        return None
+    return loaded_libstdcxx()
+
+
+if __name__ == "__main__":
+    print(libstdcxx_to_link() or "")
