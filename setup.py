@@ -23,7 +23,7 @@ from setuptools.command.build_py import build_py
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from cuda_home import find_cuda_home  # noqa: E402
-from libstdcxx import libstdcxx_to_link  # noqa: E402
+from libstdcxx import lacks_shared_libstdcxx, libstdcxx_to_link, loaded_libstdcxx  # noqa: E402
 
 # torch.utils.cpp_extension reads CUDA_HOME once, at import: set it first.
 _cuda_home = find_cuda_home()
@@ -80,6 +80,22 @@ def extensions():
     return [CppExtension("dllm_ops._C", sources, extra_compile_args={"cxx": cxx}, **common)]
 
 
+class BuildExtensionOneLibstdcxx(BuildExtension):
+    """torch's build, then a look at what it linked: a _C that carries its own
+    libstdc++ (a link driver other than the compiler setup.py probed) is
+    relinked once against the shared one torch loaded (tools/libstdcxx.py)."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        lib = loaded_libstdcxx()
+        if lib and lib not in ext.extra_link_args and lacks_shared_libstdcxx(path):
+            print(f"dllm_ops: {path} carries libstdc++ inside it; relinking against {lib}")
+            ext.extra_link_args.append(lib)
+            os.remove(path)
+            super().build_extension(ext)
+
+
 def package_version() -> str:
     """dllm_ops/_version.py's __version__ (read, not imported: the package needs
     torch and the extension this file builds)."""
@@ -124,6 +140,6 @@ setup(
     extras_require={"eval": ["lm_eval>=0.4,<0.5"], "ray": ["ray[serve]==2.60.0"],
                     "plot": ["matplotlib==3.11.2"]},
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithLmEvalHook},
+    cmdclass={"build_ext": BuildExtensionOneLibstdcxx, "build_py": BuildPyWithLmEvalHook},
     python_requires=">=3.10",
 )

@@ -6,7 +6,8 @@
 # Uses that machine's python (torch, pybind11, ninja, pytest; the model and
 # decode tests also read safetensors checkpoints and tokenizers, which the
 # GPU image has), installs nothing. Steps, each appended to REPORT:
-#   1. build _C with its CUDA kernels for sm_90 (FORCE_CUDA: no CPU fallback);
+#   1. build _C with its CUDA kernels for sm_90 (FORCE_CUDA: no CPU fallback),
+#      and check that it needs torch's shared libstdc++ (tools/libstdcxx.py);
 #   2. the selection: tools/count_cuda_tests.py prints, per test file, the
 #      CUDA-parametrized tests and those step 3's -k selects, and fails if one
 #      is not selected (or none is), so a -k that matches nothing cannot pass;
@@ -50,6 +51,10 @@ step() {   # step NAME CMD...: run, append its output to the report, remember fa
 }
 step build env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 "$PY" setup.py -q build_ext --inplace || {
   echo "# FAILED: build (nothing else ran)" | tee -a "$REPORT"; exit 1; }
+# A _C with its own copy of libstdc++ crashes on its first error message that
+# formats a number (tools/libstdcxx.py; setup.py avoids it): stop here if so.
+step libstdcxx "$PY" tools/libstdcxx.py --check || {
+  echo "# FAILED: _C links libstdc++ statically (nothing else ran)" | tee -a "$REPORT"; exit 1; }
 # One selection for both steps: the count checks exactly what pytest runs.
 SELECT_K="cuda and not cudasim"
 SELECT_M="not slow"

@@ -16,6 +16,10 @@ the shared libstdc++ this process has loaded (torch's), which setup.py then
 puts on _C's link line. The linker resolves libstdc++'s symbols from that
 library first, so nothing is taken from the static archive the driver adds at
 the end. Everywhere else the function returns None and the build is unchanged.
+The probe asks the compiler torch compiles with; should the link step use
+another driver, setup.py also reads the built _C (`lacks_shared_libstdcxx`)
+and relinks it with that library once. `python tools/libstdcxx.py --check`
+exits 1 when the built _C lacks it (`make gpu-check` runs it after the build).
 """
 from __future__ import annotations
 
@@ -64,8 +68,7 @@ def links_libstdcxx_statically(cxx: str | None = None) -> bool:
             return False
         if built.returncode != 0:
             return False
-        needed = needed_libraries(lib)
-    return needed is not None and not any(n.startswith("libstdc++") for n in needed)
+        return lacks_shared_libstdcxx(lib)
 
 
 def loaded_libstdcxx() -> str | None:
@@ -81,6 +84,13 @@ def loaded_libstdcxx() -> str | None:
     return None
 
 
+def lacks_shared_libstdcxx(path: str) -> bool:
+    """True when the built shared object at `path` does not need libstdc++.so
+    (False when that cannot be read: no readelf)."""
+    needed = needed_libraries(path)
+    return needed is not None and not any(n.startswith("libstdc++") for n in needed)
+
+
 def libstdcxx_to_link(cxx: str | None = None) -> str | None:
     """The shared libstdc++ to put on _C's link line, or None where the
     compiler already links it as a shared library (or none is loaded)."""
@@ -89,5 +99,25 @@ def libstdcxx_to_link(cxx: str | None = None) -> str | None:
     return loaded_libstdcxx()
 
 
+def built_extension() -> str | None:
+    """The in-place build of dllm_ops._C, if there is one."""
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = sorted(glob.glob(os.path.join(root, "dllm_ops", "_C*.so")))
+    return found[0] if found else None
+
+
 if __name__ == "__main__":
-    print(libstdcxx_to_link() or "")
+    import sys
+
+    if sys.argv[1:] == ["--check"]:
+        ext = built_extension()
+        if ext is None or lacks_shared_libstdcxx(ext):
+            print(f"libstdcxx: {ext or 'dllm_ops/_C*.so'}: "
+                  + ("no build" if ext is None else "libstdc++ is linked in statically, not needed "
+                     "as torch's shared library: its error messages would crash"))
+            sys.exit(1)
+        print(f"libstdcxx: {ext} needs the shared libstdc++ (as torch does)")
+    else:
+        print(libstdcxx_to_link() or "")
