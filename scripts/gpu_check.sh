@@ -11,7 +11,8 @@
 #   2. the selection: tools/count_cuda_tests.py prints, per test file, the
 #      CUDA-parametrized tests and those step 3's -k selects, and fails if one
 #      is not selected (or none is), so a -k that matches nothing cannot pass;
-#   3. the whole suite's CUDA half (`-k cuda`: every op on the GPU, the models
+#   3. (in GPU_CHECK_WORKERS=8 pytest-xdist processes where xdist is installed)
+#      the whole suite's CUDA half (`-k cuda`: every op on the GPU, the models
 #      in fp32/bf16/fp16, the decode loop and every method -- d2Cache, DARE,
 #      dLLM-KVQ decoding, TRACE, policy selection -- against its float64
 #      oracle; not the CPU simulator's own tests, test_cudasim.py, nor the slow
@@ -60,8 +61,17 @@ SELECT_K="cuda and not cudasim"
 SELECT_M="not slow"
 step selection env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" tools/count_cuda_tests.py --check \
   -k "$SELECT_K" -m "$SELECT_M" python_tests
-step pytest env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
-  -p no:cacheprovider -k "$SELECT_K" -m "$SELECT_M" --durations=15 --tb=short
+# With pytest-xdist (the GPU image has it), GPU_CHECK_WORKERS processes share
+# the GPU and a test that kills its process (a segfault) is reported as a
+# failure and its worker restarted, instead of ending the run there (the
+# first GPU run lost every test after the first crash). 0: one process.
+WORKERS=${GPU_CHECK_WORKERS:-8}
+XDIST=() XDIST_ENV=()
+if [ "$WORKERS" != 0 ] && "$PY" -c 'import xdist' 2>/dev/null; then
+  XDIST=(-n "$WORKERS" --max-worker-restart 1000) XDIST_ENV=(OMP_NUM_THREADS=2)
+fi
+step pytest env "${XDIST_ENV[@]}" DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
+  -p no:cacheprovider "${XDIST[@]}" -k "$SELECT_K" -m "$SELECT_M" --durations=15 --tb=short
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
   echo "## bench-ops, bench-decode: skipped (GPU_CHECK_BENCH=0)" | tee -a "$REPORT"
 else
