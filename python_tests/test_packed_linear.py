@@ -281,3 +281,32 @@ def test_linears_sharing_an_input_get_each_its_own_product(kind):
         assert torch.equal(got[0], alone[0]) and torch.equal(got[2], plain(x))
     for m, y in zip(lins, together):
         assert_product(kind, m, x.reshape(32, 96), y.reshape(32, -1))
+
+
+def test_a_held_copy_runs_as_the_kind_it_was_made(stand_in_onednn, monkeypatch):
+    """The product follows the copy a layer holds, not the module flags now: a
+    float32 copy made while widening still runs sgemm after the flags say oneDNN
+    (and oneDNN's product is never asked of it), and the reverse."""
+    lins = [make(64, 32, bias=True, seed=1), make(64, 24, seed=2)]
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    real_packed_linear = pl.packed_linear
+    with torch.no_grad():
+        monkeypatch.setattr(pl, "_AVAILABLE", False)
+        monkeypatch.setattr(pl, "_WIDEN", True)
+        widened = [m(x) for m in lins]
+        assert all(pl.is_widened(m._packed) for m in lins)
+        monkeypatch.setattr(pl, "_AVAILABLE", True)
+        monkeypatch.setattr(pl, "_WIDEN", False)
+        monkeypatch.setattr(pl, "packed_linear", lambda *a: pytest.fail("oneDNN's product on a float32 copy"))
+        assert all(torch.equal(m(x), y) for m, y in zip(lins, widened))
+        assert all(torch.equal(a, b) for a, b in zip(pl.shared_input_linears(lins, x), widened))
+
+        fresh = [make(64, 32, bias=True, seed=1), make(64, 24, seed=2)]
+        monkeypatch.setattr(pl, "packed_linear", real_packed_linear)
+        packed = [m(x) for m in fresh]                        # the stand-in's bf16 "packed" copies
+        assert not any(pl.is_widened(m._packed) for m in fresh)
+        monkeypatch.setattr(pl, "_AVAILABLE", False)
+        monkeypatch.setattr(pl, "_WIDEN", True)
+        monkeypatch.setattr(pl, "widened_linear", lambda *a: pytest.fail("sgemm on a packed copy"))
+        assert all(torch.equal(m(x), y) for m, y in zip(fresh, packed))
+        assert all(torch.equal(a, b) for a, b in zip(pl.shared_input_linears(fresh, x), packed))

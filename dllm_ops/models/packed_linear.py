@@ -116,13 +116,21 @@ def widened_linear(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x.float(), w32, b32).to(torch.bfloat16)
 
 
+def is_widened(copy: torch.Tensor) -> bool:
+    """Which kind a held weight copy is: :func:`widen_weight`'s float32 copy, or
+    (False) oneDNN's packed bf16 one. A layer runs the product of the copy it
+    holds, whatever the module flags say now (a copy made before they changed
+    stays the kind it was made)."""
+    return copy.dtype == torch.float32
+
+
 def shared_input_linears(linears, x: torch.Tensor) -> list[torch.Tensor]:
     """``[linear(x) for linear in linears]``, the same numbers; where every one of
     them runs on a float32 copy, ``x`` is widened once for all (q/k/v, gate/up)."""
-    if _AVAILABLE or not _WIDEN or len(linears) < 2 or not all(isinstance(m, Linear) for m in linears):
+    if not (_AVAILABLE or _WIDEN) or len(linears) < 2 or not all(isinstance(m, Linear) for m in linears):
         return [linear(x) for linear in linears]
     copies = [m.copy_for(x) for m in linears]
-    if any(c is None for c in copies):
+    if any(c is None or not is_widened(c) for c in copies):
         return [linear(x) for linear in linears]
     x32 = x.float()
     return [widened_linear(x32, c, m.bias) for m, c in zip(linears, copies)]
@@ -154,9 +162,9 @@ class Linear(nn.Linear):
         packed = self.copy_for(x)
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        if _AVAILABLE:
-            return packed_linear(x, packed, self.bias)
-        return widened_linear(x, packed, self.bias)
+        if is_widened(packed):
+            return widened_linear(x, packed, self.bias)
+        return packed_linear(x, packed, self.bias)
 
     def copy_for(self, x: torch.Tensor):
         """The weight copy ``self(x)`` runs on, or None where it runs ``F.linear``."""
