@@ -118,6 +118,9 @@ if __name__ == "__main__":
                   + ("no build" if ext is None else "libstdc++ is linked in statically, not needed "
                      "as torch's shared library: its error messages would crash"))
             sys.exit(1)
-        print(f"libstdcxx: {ext} needs the shared libstdc++ (as torch does)")
+        if needed_libraries(ext) is None:
+            print(f"libstdcxx: {ext}: not checked (readelf is not installed)")
+        else:
+            print(f"libstdcxx: {ext} needs the shared libstdc++ (as torch does)")
     else:
         print(libstdcxx_to_link() or "")
