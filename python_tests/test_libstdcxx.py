@@ -48,9 +48,24 @@ def test_the_extension_needs_the_shared_libstdcxx():
     if os.environ.get("DLLM_OPS_LIBRARY"):
         pytest.skip("an alternative op library is loaded (DLLM_OPS_LIBRARY)")
     needed = libstdcxx.needed_libraries(dllm_ops._C.__file__)
-    if needed is None:
-        pytest.skip("readelf is not installed")
+    assert needed is not None and "libc.so.6" in needed, needed
     assert any(n.startswith("libstdc++.so") for n in needed), needed
+
+
+def test_needed_libraries_reads_what_readelf_lists(tmp_path):
+    import dllm_ops
+
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf is not installed")
+    for path in (dllm_ops._C.__file__, libstdcxx.loaded_libstdcxx()):
+        out = subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
+        want = [line.split("[", 1)[1].split("]", 1)[0] for line in out.splitlines() if "(NEEDED)" in line]
+        assert libstdcxx.needed_libraries(path) == want
+    not_elf = tmp_path / "x.so"
+    not_elf.write_bytes(b"not an ELF file")
+    assert libstdcxx.needed_libraries(str(not_elf)) is None
+    assert libstdcxx.needed_libraries(str(tmp_path / "missing.so")) is None
 
 
 @pytest.fixture

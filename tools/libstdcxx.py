@@ -24,7 +24,7 @@ exits 1 when the built _C lacks it (`make gpu-check` runs it after the build).
 from __future__ import annotations
 
 import os
-import shutil
+import struct
 import subprocess
 import tempfile
 
@@ -41,15 +41,44 @@ def compiler() -> str:
 
 
 def needed_libraries(path: str) -> list[str] | None:
-    """The DT_NEEDED entries of a shared object (readelf -d), None when unreadable."""
-    readelf = shutil.which("readelf")
-    if readelf is None:
+    """The DT_NEEDED entries of a 64-bit little-endian ELF shared object (what
+    ``readelf -d`` lists as NEEDED), read from the file itself so no binutils
+    are needed; None when the file is not such an object or cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
         return None
-    out = subprocess.run([readelf, "-d", path], capture_output=True, text=True)
-    if out.returncode != 0:
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:   # ELFCLASS64, ELFDATA2LSB
         return None
-    return [line.split("[", 1)[1].split("]", 1)[0]
-            for line in out.stdout.splitlines() if "(NEEDED)" in line and "[" in line]
+    try:
+        phoff, = struct.unpack_from("<Q", data, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+        loads, dynamic = [], None
+        for i in range(phnum):
+            p_type, _, p_offset, p_vaddr, _, p_filesz, _, _ = struct.unpack_from(
+                "<IIQQQQQQ", data, phoff + i * phentsize)
+            if p_type == 1:                                   # PT_LOAD
+                loads.append((p_vaddr, p_offset, p_filesz))
+            elif p_type == 2:                                 # PT_DYNAMIC
+                dynamic = (p_offset, p_filesz)
+        if dynamic is None:
+            return []
+        needed, strtab = [], None
+        for at in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+            tag, val = struct.unpack_from("<qQ", data, at)
+            if tag == 0:                                      # DT_NULL
+                break
+            if tag == 1:                                      # DT_NEEDED: offset into DT_STRTAB
+                needed.append(val)
+            elif tag == 5:                                    # DT_STRTAB: a virtual address
+                strtab = val
+        if strtab is None:
+            return None
+        base = next(off + strtab - va for va, off, size in loads if va <= strtab < va + size)
+        return [data[base + n:data.index(b"\0", base + n)].decode() for n in needed]
+    except (struct.error, StopIteration, ValueError, UnicodeDecodeError):
+        return None
 
 
 def links_libstdcxx_statically(cxx: str | None = None) -> bool:
@@ -86,7 +115,7 @@ def loaded_libstdcxx() -> str | None:
 
 def lacks_shared_libstdcxx(path: str) -> bool:
     """True when the built shared object at `path` does not need libstdc++.so
-    (False when that cannot be read: no readelf)."""
+    (False when that cannot be read)."""
     needed = needed_libraries(path)
     return needed is not None and not any(n.startswith("libstdc++") for n in needed)
 
@@ -119,7 +148,7 @@ if __name__ == "__main__":
                      "as torch's shared library: its error messages would crash"))
             sys.exit(1)
         if needed_libraries(ext) is None:
-            print(f"libstdcxx: {ext}: not checked (readelf is not installed)")
+            print(f"libstdcxx: {ext}: not checked (not a 64-bit little-endian ELF file)")
         else:
             print(f"libstdcxx: {ext} needs the shared libstdc++ (as torch does)")
     else:
