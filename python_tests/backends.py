@@ -61,8 +61,23 @@ def op(backend: str, name: str):
 
 
 def to(backend: str, *tensors):
+    """`tensors` on `backend`'s device, each with its own strides.
+
+    `Tensor.to` makes a view that is not dense (a slice, an expand) contiguous
+    on the new device, so a test's strided or self-overlapping input would
+    reach a GPU op as a plain contiguous tensor: the layout the test was
+    written to exercise would run on the CPU backends only."""
     dev = device_of(backend)
-    return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in tensors)
+    return tuple(_to_keeping_strides(t, dev) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def _to_keeping_strides(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    if t.device == dev or t.numel() == 0 or t.is_contiguous():
+        return t.to(dev)
+    # Copy the span of storage the view reads, then take the same view of it.
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset()).to(dev)
+    return flat.as_strided(t.shape, t.stride())
 
 
 # Split-KV of the CUDA attention kernels (sparse_attention, quant_attention):

@@ -231,6 +231,15 @@ MUTATIONS = [
              "    return t < Tp && two_source_valid(packed_valid, full, b, Tp, t);",
              SIM, "two_source_attention: the probabilities cover the full-precision keys too"),
 
+    # -- tests: a GPU test's input keeps its layout
+    Mutation("test-device-move-makes-views-contiguous",
+             "python_tests/backends.py",
+             "    return flat.as_strided(t.shape, t.stride())\n",
+             "    return flat.as_strided(t.shape, t.stride()).contiguous()\n",
+             ("python_tests/test_backends.py::test_device_move_keeps_strides_and_values",),
+             "tests: an op's strided or overlapping input reaches the GPU with its own strides",
+             fast=True),
+
     # -- build: one libstdc++ in the process
     Mutation("libstdcxx-static-link-not-detected",
              "tools/libstdcxx.py",
