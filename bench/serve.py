@@ -1,7 +1,7 @@
 """Load on a running ``python -m dllm_ops serve``: throughput and latency per concurrency.
 
     python -m bench serve --spawn tiny-llada [--requests 32] [--concurrency 1 4 16 64]
-                          [--time-limit 120] [--threads N] [--json FILE]
+                          [--time-limit 120] [--threads N] [--device cpu|cuda] [--json FILE]
     python -m bench serve --url http://127.0.0.1:8000 --model tiny-llada   (a server already up)
 
 Bounded and loopback only: each concurrency level sends a fixed number of
@@ -21,8 +21,9 @@ error event), lost requests (no finish_reason and ``[DONE]``), answers that
 differ from ``generate`` on the same prompt alone, and the throughput over
 the same prompts decoded one after another by in-process ``generate``
 (``x_seq``). ``--spawn`` starts the server with ``--max-running`` = the
-largest concurrency (``--threads`` torch threads, float32 on the CPU) and
-stops it with SIGTERM.
+largest concurrency (``--threads`` torch threads, float32 on ``--device``:
+the CPU by default) and stops it with SIGTERM; the ``generate`` baseline runs
+on the same device.
 
 Where the CPU goes, per answered request (milliseconds): ``srv_cpu`` the
 server process's CPU time (Linux ``/proc``, ``--spawn`` only), ``engine``
@@ -154,26 +155,33 @@ async def run_level(url: str, model: str, prompts: list[Prompt], concurrency: in
         return results, time.perf_counter() - t0
 
 
-def sequential_generate(model_name: str, prompts: list[Prompt], block_length: int, threads: int | None):
+def sequential_generate(model_name: str, prompts: list[Prompt], block_length: int, threads: int | None,
+                        device: str = "cpu"):
     """``(texts, wall seconds, generated tokens)``: each prompt alone through generate."""
     import torch
 
     import dllm_ops
-    from dllm_ops.config import region_length
     if threads:
         torch.set_num_threads(threads)
-    model = dllm_ops.load(model_name, dtype=torch.float32, device="cpu")
+    model = dllm_ops.load(model_name, dtype=torch.float32, device=device)
     tok = model.tokenizer
     base = decode_setting(block_length)
     texts, tokens = [], 0
+    _generate_one(model, tok, base, prompts[0])   # warm-up (on CUDA: context, kernels), untimed
     t0 = time.perf_counter()
     for p in prompts:
-        config = base.replace(shape=base.shape.replace(gen_length=region_length(p.max_tokens, block_length)))
-        out = dllm_ops.generate(model, tok, config, prompt=p.text)
-        seq = out.sequences[0][: p.max_tokens]
+        seq = _generate_one(model, tok, base, p)
         texts.append(tok.decode(seq))
         tokens += len(seq)
     return texts, time.perf_counter() - t0, tokens
+
+
+def _generate_one(model, tok, base, p: Prompt) -> list[int]:
+    """``p``'s generated ids, its region from ``max_tokens``, cut to them."""
+    import dllm_ops
+    from dllm_ops.config import region_length
+    config = base.replace(shape=base.shape.replace(gen_length=region_length(p.max_tokens, base.shape.block_length)))
+    return dllm_ops.generate(model, tok, config, prompt=p.text).sequences[0][: p.max_tokens]
 
 
 def process_cpu_s(pid: int | None = None) -> float | None:
@@ -291,7 +299,7 @@ def cmd_serve(args) -> int:
     longest = prompts_by_level[levels[-1]]
     reference = seq_req_s = None
     if model:
-        texts, wall, tokens = sequential_generate(model, longest, BLOCK_LENGTH, args.threads)
+        texts, wall, tokens = sequential_generate(model, longest, BLOCK_LENGTH, args.threads, args.device)
         reference, seq_req_s = texts, len(longest) / wall
         print(f"sequential generate: {len(longest)} prompts in {wall:.2f} s = {seq_req_s:.2f} req/s, "
               f"{tokens / wall:.1f} tok/s", flush=True)
@@ -299,7 +307,7 @@ def cmd_serve(args) -> int:
     if args.spawn:
         from dllm_ops.serve.spawn import ServerProcess
         extra = ["--max-running", str(levels[-1]), "--max-queue", str(4 * levels[-1]),
-                 "--log-level", "warning", "--dtype", "fp32", "--device", "cpu"]
+                 "--log-level", "warning", "--dtype", "fp32", "--device", args.device]
         if args.threads:
             extra += ["--threads", str(args.threads)]
         server = ServerProcess(args.spawn, extra, ready_timeout=args.time_limit)
@@ -309,6 +317,11 @@ def cmd_serve(args) -> int:
     rows = []
     meter = CpuMeter(url, server.proc.pid if server is not None else None)
     try:
+        # One untimed request first, so that the first level does not absorb
+        # the server's warm-up (first allocations; on CUDA, kernel loading).
+        warm, _ = asyncio.run(run_level(url, served, longest[:1], 1, args.time_limit, BLOCK_LENGTH))
+        if warm[0] is None or not warm[0].ok:
+            print(f"bench serve: the warm-up request failed: {warm[0] and warm[0].error}", file=sys.stderr)
         for c in levels:
             prompts = prompts_by_level[c]
             meter.start()
@@ -326,7 +339,7 @@ def cmd_serve(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(url=url, model=served, setting=SETTING, block_length=BLOCK_LENGTH,
-                           sequential_req_s=seq_req_s, rows=rows), f, indent=2)
+                           sequential_req_s=seq_req_s, device=args.device, rows=rows), f, indent=2)
     return 0
 
 
@@ -342,5 +355,7 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per level (and start-up)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (server and baseline)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the spawned server and the generate baseline run")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.set_defaults(func=cmd_serve)

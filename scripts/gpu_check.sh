@@ -19,9 +19,14 @@
 #      re-training), every skip turned into a failure (DLLM_REQUIRE_CUDA=1,
 #      conftest.py);
 #   4. python -m bench ops --device cuda;
-#   5. python -m bench decode --synthetic llada-8b --layers 4 --device cuda.
-# GPU_CHECK_BENCH=0 skips steps 4-5 (a rerun of the tests alone, when device
-# time is short). Exit status: 0 iff every step passed. Budget: <= 8 minutes on an H200.
+#   5. python -m bench decode --synthetic llada-8b --layers 4 --device cuda;
+#   6. python -m bench serve --spawn tiny-llada --device cuda (the HTTP server
+#      under load on the GPU), where fastapi, uvicorn and httpx2 import: the
+#      image has none of them; carry the pinned wheels (README, "Serving on a
+#      GPU"), else the step says it was skipped.
+# GPU_CHECK_BENCH=0 skips steps 4-6 (a rerun of the tests alone, when device
+# time is short); GPU_CHECK_TESTS=0 skips steps 2-3 (a rerun of the benches).
+# Exit status: 0 iff every step passed. Budget: <= 8 minutes on an H200.
 set -uo pipefail
 PY=${1:-python3}
 REPORT=${2:-build/gpu-check.txt}
@@ -59,6 +64,9 @@ step libstdcxx "$PY" tools/libstdcxx.py --check || {
 # One selection for both steps: the count checks exactly what pytest runs.
 SELECT_K="cuda and not cudasim"
 SELECT_M="not slow"
+if [ "${GPU_CHECK_TESTS:-1}" = 0 ]; then
+  echo "## selection, pytest: skipped (GPU_CHECK_TESTS=0)" | tee -a "$REPORT"
+else
 step selection env DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" tools/count_cuda_tests.py --check \
   -k "$SELECT_K" -m "$SELECT_M" python_tests
 # With pytest-xdist (the GPU image has it), GPU_CHECK_WORKERS processes share
@@ -72,12 +80,19 @@ if [ "$WORKERS" != 0 ] && "$PY" -c 'import xdist' 2>/dev/null; then
 fi
 step pytest env "${XDIST_ENV[@]}" DLLM_REQUIRE_CUDA=1 PYTHONPATH="$PWD" "$PY" -m pytest python_tests -q -ra \
   -p no:cacheprovider "${XDIST[@]}" -k "$SELECT_K" -m "$SELECT_M" --durations=15 --tb=short
+fi
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
-  echo "## bench-ops, bench-decode: skipped (GPU_CHECK_BENCH=0)" | tee -a "$REPORT"
+  echo "## bench-ops, bench-decode, bench-serve: skipped (GPU_CHECK_BENCH=0)" | tee -a "$REPORT"
 else
 step bench-ops env PYTHONPATH="$PWD" "$PY" -m bench ops --device cuda
 step bench-decode env PYTHONPATH="$PWD" "$PY" -m bench decode --synthetic llada-8b --layers 4 \
   --device cuda --prompt-length 256 --gen-length 256 --block-length 32
+if "$PY" -c 'import fastapi, uvicorn, httpx2' 2>/dev/null; then
+step bench-serve env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench serve --spawn tiny-llada \
+  --device cuda --requests 64 --concurrency 1 4 16 64 --time-limit 60
+else
+  echo "## bench-serve: skipped (fastapi, uvicorn or httpx2 missing: carry the wheels)" | tee -a "$REPORT"
+fi
 fi
 if [ ${#failed[@]} -eq 0 ]; then
   echo "# gpu-check PASSED ($SECONDS s)" | tee -a "$REPORT"
