@@ -112,6 +112,23 @@ def test_serve_memory_reads_gauges_from_prometheus_text():
 
 
 @pytest.mark.models
+def test_bench_serve_end_to_end(tmp_path):
+    """A real spawned server, two bounded levels: every request answered, each
+    answer equal to sequential generate's, the device recorded, and the
+    warm-up request not counted in any level."""
+    pytest.importorskip("fastapi")
+    out = tmp_path / "serve.json"
+    assert main(["serve", "--spawn", "tiny-llada", "--requests", "3", "--concurrency", "1", "2",
+                 "--threads", "1", "--time-limit", "60", "--device", "cpu", "--json", str(out)]) == 0
+    import json
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["sequential_req_s"] > 0
+    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert (row["requests"], row["ok"], row["errors"], row["lost"], row["differ"]) == (3, 3, 0, 0, 0), row
+
+
+@pytest.mark.models
 def test_bench_serve_memory_packed_caches_admit_more(capsys):
     """Three real servers with one KV budget: the budget holds three bf16
     sequences of this shape, and a 2-bit cache admits more (read from /metrics)."""
