@@ -12,7 +12,7 @@ export TORCH_CUDA_ARCH_LIST ?= 9.0
 CUDA_HOME ?= $(shell $(PYTHON) tools/cuda_home.py)
 export CUDA_HOME
 
-.PHONY: venv build eval test test-slow test-ray pytest ctest sanitize mutate mutate-fast demo tiny-models gpu-check clean
+.PHONY: venv build eval test test-slow test-ray pytest ctest sanitize mutate mutate-fast demo tiny-models gpu-check gpu-wheels clean
 
 # ---- set-up ------------------------------------------------------------------
 $(VENV)/.deps-stamp: requirements.txt
@@ -143,6 +143,12 @@ bench-serve: build
 GPU_REPORT ?= build/gpu-check.txt
 gpu-check:
 	scripts/gpu_check.sh $(PYTHON) $(GPU_REPORT)
+
+# The server's packages as CPython 3.12 wheels in .whl/ for the GPU image,
+# which lacks them (scripts/gpu_wheels.sh); carried there, gpu-check installs
+# them and adds the HTTP server's load test on the GPU.
+gpu-wheels: venv
+	scripts/gpu_wheels.sh
 
 clean:
 	rm -rf build dllm_ops/*.so

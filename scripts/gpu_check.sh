@@ -22,8 +22,9 @@
 #   5. python -m bench decode --synthetic llada-8b --layers 4 --device cuda;
 #   6. python -m bench serve --spawn tiny-llada --device cuda (the HTTP server
 #      under load on the GPU), where fastapi, uvicorn and httpx2 import: the
-#      image has none of them; carry the pinned wheels (README, "Serving on a
-#      GPU"), else the step says it was skipped.
+#      image has none of them, so `make gpu-wheels` (here) writes them to .whl/,
+#      the run carries .whl and this script installs them into build/gpu-site
+#      (no index, no deps); without them the step says it was skipped.
 # GPU_CHECK_BENCH=0 skips steps 4-6 (a rerun of the tests alone, when device
 # time is short); GPU_CHECK_TESTS=0 skips steps 2-3 (a rerun of the benches).
 # Exit status: 0 iff every step passed. Budget: <= 8 minutes on an H200.
@@ -87,11 +88,17 @@ else
 step bench-ops env PYTHONPATH="$PWD" "$PY" -m bench ops --device cuda
 step bench-decode env PYTHONPATH="$PWD" "$PY" -m bench decode --synthetic llada-8b --layers 4 \
   --device cuda --prompt-length 256 --gen-length 256 --block-length 32
-if "$PY" -c 'import fastapi, uvicorn, httpx2' 2>/dev/null; then
-step bench-serve env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench serve --spawn tiny-llada \
+SITE=$PWD/build/gpu-site
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/*.whl 2>&1 | tee -a "$REPORT"
+fi
+SERVE_PATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if PYTHONPATH="$SERVE_PATH" "$PY" -c 'import fastapi, uvicorn, httpx2' 2>/dev/null; then
+step bench-serve env PYTHONPATH="$SERVE_PATH" "$PY" -m bench serve --spawn tiny-llada \
   --device cuda --requests 64 --concurrency 1 4 16 64 --time-limit 60
 else
-  echo "## bench-serve: skipped (fastapi, uvicorn or httpx2 missing: carry the wheels)" | tee -a "$REPORT"
+  echo "## bench-serve: skipped (fastapi, uvicorn or httpx2 missing: make gpu-wheels, carry .whl)" | tee -a "$REPORT"
 fi
 fi
 if [ ${#failed[@]} -eq 0 ]; then
