@@ -123,19 +123,22 @@ def commit_tokens(state: DecodeState, plan: StepPlan, logits, rule: RevealRule,
     P, V = logits.shape[1], logits.shape[2]
     pos, in_block = _block_positions(state, plan)
     has = _rows_to_block(in_block, pos, in_block, n, False)          # [B, n]
-    cand = state.candidates()[:, s:e]                              # [B, n]
+    cand = state.block_candidates()                                # [B, n]
     if plan.partial_logits:
         cand = cand & has  # d²Cache: a mask this call did not predict is not its candidate
     elif bool((cand & ~has).any()):
         raise DecodeError("the policy's plan has no logits for a candidate")
     # Random draws, per row from the row's own generator, only for rows that
     # decode this call: a row's stream is the one it would consume alone.
-    drawing = cand.any(1).tolist()
+    # (A greedy decode draws nothing and does not read the rows back.)
+    draws_noise = sampling.temperature > 0
+    draws_uniform = sampling.remasking == "random" or rule.draws_uniform
+    drawing = cand.any(1).tolist() if draws_noise or draws_uniform else None
     noise = None
-    if sampling.temperature > 0:
+    if draws_noise:
         noise = _gumbel_noise_rows(sampling.generators, drawing, pos, in_block, n, V, logits.device)
     uniform = None
-    if sampling.remasking == "random" or rule.draws_uniform:
+    if draws_uniform:
         uniform = _uniform_draws(sampling.generators, drawing, B, n, state.x.device)
     token, score = _row_scores(state, logits, rule.mode, sampling, noise)
     token = _rows_to_block(token.view(B, P), pos, in_block, n, state.mask_id)
@@ -209,10 +212,11 @@ def finish_rows_at_eos(state: DecodeState) -> torch.Tensor:
     g = state.x[:, state.gen_start:]
     is_eos = g == c.eos_id
     masked = g == c.mask_id
-    G = g.shape[1]
-    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(is_eos[:, 0], G, dtype=torch.long))
-    before = torch.arange(G, device=g.device)[None, :] < first_eos[:, None]
-    done = state.active & is_eos.any(1) & ~(masked & before).any(1)
+    # A position precedes the row's first EOS iff no EOS is at or before it
+    # (the inclusive running count is still 0); a row is done when it has an
+    # EOS and no mask before the first one.
+    before_first_eos = is_eos.cumsum(1) == 0
+    done = state.active & is_eos.any(1) & ~(masked & before_first_eos).any(1)
     filled = torch.zeros(g.shape[0], dtype=torch.long, device=g.device)
     if bool(done.any()):
         fill = masked & done[:, None]

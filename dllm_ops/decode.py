@@ -175,7 +175,7 @@ class Decoder:
         s.step = 0
         self.blocks_decoded += 1
         self.storage.begin_block(s.cache, s.block_start, s.block_end)
-        self.rule.start_block(s.candidates()[:, s.block_start:s.block_end])
+        self.rule.start_block(s.block_candidates())
         return True
 
     def _call(self) -> None:
@@ -217,7 +217,7 @@ class Decoder:
         """Open blocks until the current one has candidates; False once the decode is
         finished (then no call is due)."""
         s = self.state
-        while not (self.blocks_decoded and bool(s.candidates().any())):
+        while not (self.blocks_decoded and bool(s.block_candidates().any())):
             if not self._open_next_block():
                 return False
         return True

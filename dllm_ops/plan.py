@@ -6,6 +6,7 @@ the cache holds (docs/design.md, "The StepPlan: one idea carries the decode loop
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +33,10 @@ class StepPlan:
     logits_idx: torch.Tensor
     partial_logits: bool = False
 
-    @property
+    @functools.cached_property
     def n_tokens(self) -> int:
-        """Tokens actually computed (padding excluded), summed over rows."""
+        """Tokens actually computed (padding excluded), summed over rows (read
+        back once per plan: the loop's stats and FLOP count both use it)."""
         return int((self.idx >= 0).sum())
 
     @staticmethod

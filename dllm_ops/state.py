@@ -57,8 +57,14 @@ class DecodeState:
     def candidates(self) -> torch.Tensor:
         """[B, T] masked positions of the current block in active rows."""
         c = torch.zeros_like(self.x, dtype=torch.bool)
-        c[:, self.block_start:self.block_end] = self.masked()[:, self.block_start:self.block_end]
-        return c & self.active[:, None]
+        c[:, self.block_start:self.block_end] = self.block_candidates()
+        return c
+
+    def block_candidates(self) -> torch.Tensor:
+        """[B, block] the current block's columns of :meth:`candidates` (what the
+        loop reads every call: the block alone, not the whole canvas)."""
+        s, e = self.block_start, self.block_end
+        return (self.x[:, s:e] == self.mask_id) & self.active[:, None]
 
     def plan_for(self, run: torch.Tensor) -> StepPlan:
         """A plan running `run` and returning logits for the block's candidates."""

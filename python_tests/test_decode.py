@@ -271,6 +271,28 @@ def test_stop_at_eos_keeps_every_token_before_eos(llada):
             assert eos in row
 
 
+def test_finish_rows_at_eos_reads_only_the_masks_before_the_first_eos():
+    """A row finishes when its region has an EOS and no mask before the first
+    one; its remaining masks become EOS and count as filled. Rows already
+    finished are left alone."""
+    from types import SimpleNamespace
+
+    from dllm_ops.commit import finish_rows_at_eos
+    E, M = 2, 3
+    x = torch.tensor([[9, 5, E, M, E, M],    # masks only after the first EOS: done, 2 filled
+                      [9, 5, M, E, M, M],    # a mask before the first EOS: goes on
+                      [9, 5, 6, 7, M, M],    # no EOS: goes on
+                      [9, E, M, M, 4, M],    # EOS right at the region's start: done, 3 filled
+                      [9, 5, E, M, M, M]])   # already finished: left alone
+    active = torch.tensor([True, True, True, True, False])
+    state = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(eos_id=E, mask_id=M)),
+                            x=x.clone(), gen_start=1, active=active.clone())
+    assert finish_rows_at_eos(state).tolist() == [2, 0, 0, 3, 0]
+    assert state.active.tolist() == [False, True, True, False, False]
+    assert state.x[0].tolist() == [9, 5, E, E, E, E] and state.x[3].tolist() == [9, E, E, E, 4, E]
+    assert torch.equal(state.x[[1, 2, 4]], x[[1, 2, 4]])
+
+
 def test_generate_with_tokenizer_and_chat_template(llada):
     _, model, _ = llada
     tok = model.tokenizer
