@@ -28,6 +28,7 @@ from dllm_ops.serve.admission import sequence_kv_bytes
 from dllm_ops.serve.fused import RowCall, fused_step
 from dllm_ops.quant.storage import make_storage
 from dllm_ops.tasks import problems
+from backends import require
 
 pytestmark = pytest.mark.models
 
@@ -132,6 +133,22 @@ def test_batch_invariance_with_requests_joining_and_leaving(arch, request):
     dllm_ops/models/packed_linear.py)."""
     name, _, bf16 = arch.partition("-")
     model = load(f"tiny-{name}", dtype=torch.bfloat16) if bf16 else request.getfixturevalue(name)
+    requests_joining_and_leaving(model)
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream", "llada-bf16", "dream-bf16"])
+def test_batch_invariance_with_requests_joining_and_leaving_on_cuda(arch):
+    """The same schedule with the model on the GPU (`make gpu-check`): a row's
+    answer must not depend on the rows it shares cuBLAS GEMMs with either."""
+    require("cuda")
+    name, _, bf16 = arch.partition("-")
+    model = load(f"tiny-{name}", dtype=torch.bfloat16 if bf16 else torch.float32, device="cuda")
+    requests_joining_and_leaving(model)
+
+
+def requests_joining_and_leaving(model) -> None:
+    """Six methods join at different calls, one is cancelled mid-decode, one
+    finishes early; every other answer must be generate's alone."""
     engine = Engine(model, max_running=16)
     submitted = {}
 
