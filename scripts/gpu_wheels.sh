@@ -20,7 +20,9 @@ for n in $NAMES; do
     echo "gpu-wheels: $n is not installed in $VPY (make build first)" >&2; exit 1; }
   pins+=("$n==$v")
 done
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)   # .git may be a file (a worktree)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 rm -rf .whl
 "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
