@@ -6,14 +6,16 @@
 # and `make gpu-check` installs it before its bench-serve step.
 #
 # The versions are the ones this checkout's .venv runs (so the GPU serves with
-# what the tests here ran), each with --no-deps: the list names every
-# dependency the image lacks or has too old (fastapi needs opentelemetry-api,
-# httpx2 truststore).
+# what the tests here ran), each with --no-deps, so the list names every
+# dependency of the server and of bench serve's client, also those the image
+# has (click, prometheus-client), and the less obvious ones (fastapi needs
+# opentelemetry-api, httpx2 truststore): installed into an empty folder on a
+# bare CPython 3.12, fastapi, uvicorn, httpx2 and prometheus_client import.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VPY=${VPY:-.venv/bin/python}
 NAMES="fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection
-typing_extensions uvicorn httpx2 httpcore2 anyio h11 sniffio idna opentelemetry-api truststore"
+typing_extensions uvicorn click httpx2 httpcore2 anyio h11 sniffio idna opentelemetry-api truststore prometheus-client"
 pins=()
 for n in $NAMES; do
   v=$("$VPY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$n") || {
