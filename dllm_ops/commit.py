@@ -210,17 +210,23 @@ def finish_rows_at_eos(state: DecodeState) -> torch.Tensor:
     """Retire rows whose text reached EOS; return how many masks each row had filled."""
     c = state.model.config
     g = state.x[:, state.gen_start:]
-    is_eos = g == c.eos_id
-    masked = g == c.mask_id
+    return fill_rows_ended_at_eos(g, g == c.eos_id, g == c.mask_id, state.active, c.eos_id)
+
+
+def fill_rows_ended_at_eos(g: torch.Tensor, is_eos: torch.Tensor, masked: torch.Tensor,
+                           active: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The EOS stop on canvas rows ``g [B, G]`` whose generated positions hold
+    ``is_eos`` / ``masked`` (False outside a row's region): a row is done when it
+    has an EOS and no mask before the first one; its masks become EOS (in
+    ``g``) and it leaves ``active`` (in place). Returns the masks filled per row."""
     # A position precedes the row's first EOS iff no EOS is at or before it
-    # (the inclusive running count is still 0); a row is done when it has an
-    # EOS and no mask before the first one.
+    # (the inclusive running count is still 0).
     before_first_eos = is_eos.cumsum(1) == 0
-    done = state.active & is_eos.any(1) & ~(masked & before_first_eos).any(1)
+    done = active & is_eos.any(1) & ~(masked & before_first_eos).any(1)
     filled = torch.zeros(g.shape[0], dtype=torch.long, device=g.device)
     if bool(done.any()):
         fill = masked & done[:, None]
         filled = fill.sum(1)
-        g[fill] = c.eos_id
-        state.active &= ~done
+        g[fill] = eos_id
+        active &= ~done
     return filled

@@ -76,12 +76,17 @@ class GenerateOutput:
 
 def step_flops(model: DiffusionLM, plan: StepPlan, key_len: int) -> float:
     """Model FLOPs of one call: projections + attention over `key_len` keys + LM head rows."""
+    return call_flops(model, plan.n_tokens, int((plan.logits_idx >= 0).sum()), key_len)
+
+
+def call_flops(model: DiffusionLM, n_tokens: int, n_logits: int, key_len: int) -> float:
+    """Model FLOPs of a call running ``n_tokens`` tokens (attending over ``key_len``
+    keys) and returning ``n_logits`` logits rows."""
     c = model.config
-    n = plan.n_tokens
     proj = 2 * c.hidden_size * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
     mlp = 6 * c.hidden_size * c.intermediate_size
     attn = 4 * key_len * c.n_heads * c.head_dim
-    return c.n_layers * n * (proj + mlp + attn) + int((plan.logits_idx >= 0).sum()) * 2 * c.hidden_size * c.vocab_size
+    return c.n_layers * n_tokens * (proj + mlp + attn) + n_logits * 2 * c.hidden_size * c.vocab_size
 
 
 def _canvas(model: DiffusionLM, ids: list[list[int]], gen_length: int):
@@ -110,6 +115,20 @@ def decode_parts(model: DiffusionLM, ids: list[list[int]], config: DecodeConfig,
     return policy, storage, reuse, rule
 
 
+def make_sampling(model: DiffusionLM, config: DecodeConfig, generators,
+                  wants_max_prob: bool = False) -> Sampling:
+    """How a decode of ``config`` on ``model`` draws and scores tokens (one
+    generator per row)."""
+    c, r = model.config, config.reveal
+    # The mask token is never a decoding outcome: committing it would leave the
+    # position masked and a threshold loop would never end (random or small
+    # models do predict it). Real checkpoints give it negligible mass.
+    suppress = torch.tensor([c.mask_id] + ([c.eos_id] if r.suppress_eos else []), device=model.device)
+    return Sampling(temperature=r.temperature, remasking=r.remasking if c.arch != "dream" else None,
+                    top_p=r.top_p, top_k=r.top_k, dream=c.arch == "dream", suppress=suppress,
+                    generators=generators, wants_max_prob=wants_max_prob)
+
+
 class Decoder:
     """One decode of a batch of prompts, advanced one model call at a time::
 
@@ -130,18 +149,10 @@ class Decoder:
         generators = [torch.Generator(device="cpu").manual_seed(shape.seed) for _ in range(B)]
         self.policy, self.storage, self.reuse, self.rule = decode_parts(
             model, ids, config, generators, policy=policy, reuse=reuse)
-        r = config.reveal
-        # The mask token is never a decoding outcome: committing it would leave the
-        # position masked and a threshold loop would never end (random or small
-        # models do predict it). Real checkpoints give it negligible mass.
-        suppress = torch.tensor([c.mask_id] + ([c.eos_id] if r.suppress_eos else []), device=model.device)
-        self.sampling = Sampling(temperature=r.temperature,
-                                 remasking=r.remasking if c.arch != "dream" else None,
-                                 top_p=r.top_p, top_k=r.top_k, dream=c.arch == "dream",
-                                 suppress=suppress, generators=generators,
-                                 # a wrapping policy that does not say (bench's
-                                 # call counter) leaves its inner policy scoring itself
-                                 wants_max_prob=getattr(self.policy, "wants_max_prob", False))
+        # a wrapping policy that does not say (bench's call counter) leaves its
+        # inner policy scoring itself
+        self.sampling = make_sampling(model, config, generators,
+                                      wants_max_prob=getattr(self.policy, "wants_max_prob", False))
         x, valid = _canvas(model, ids, shape.gen_length)
         self.state = DecodeState(model=model, x=x, cache=self.storage.new_cache(model, valid),
                                  gen_start=x.shape[1] - shape.gen_length,

@@ -80,6 +80,11 @@ class RevealRule:
     mode = "prob"
     #: True: the rule needs a per-position uniform draw each call (Dream's origin)
     draws_uniform = False
+    #: True: the rule keeps no state but its per-block quota schedule, draws
+    #: nothing, and implements :meth:`select_rows`, so rows that are at
+    #: different calls of their blocks can share one selection (the server's
+    #: stacked decodes, dllm_ops/serve/stacked.py)
+    stacks = False
 
     def check(self, block_length: int, steps_per_block: int) -> None:
         """Raise DecodeError if the rule cannot run this block / step geometry."""
@@ -89,6 +94,12 @@ class RevealRule:
 
     def select(self, call: "RevealCall") -> torch.Tensor:
         raise NotImplementedError
+
+    def select_rows(self, score: torch.Tensor, cand: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """:meth:`select` for rows each at its own call of its block (``steps[r]``
+        calls made): row r's commit is what ``select`` gives it at ``steps[r]``.
+        Only rules with ``stacks`` implement it."""
+        raise NotImplementedError(f"the {self.name!r} rule does not select rows at different steps")
 
 
 class RevealCall:
@@ -148,13 +159,17 @@ class QuotaTopK(RevealRule):
         self.steps_per_block = steps_per_block
         self.quota = None
 
+    stacks = True
+
     def start_block(self, cand):
         self.quota = quota_schedule(cand.shape[1], self.steps_per_block)
 
     def select(self, call):
-        k = self.quota[min(call.step, len(self.quota) - 1)]
-        kk = torch.minimum(torch.full((call.cand.shape[0],), k, dtype=torch.long), call.cand.sum(1).cpu())
-        return transfer(call.score, call.cand, "topk", kk)
+        return self.select_rows(call.score, call.cand, [call.step] * call.cand.shape[0])
+
+    def select_rows(self, score, cand, steps):
+        k = torch.tensor([self.quota[min(s, len(self.quota) - 1)] for s in steps], dtype=torch.long)
+        return transfer(score, cand, "topk", torch.minimum(k, cand.sum(1).cpu()))
 
 
 class Threshold(RevealRule):
@@ -164,8 +179,13 @@ class Threshold(RevealRule):
     def __init__(self, threshold: float):
         self.threshold = threshold
 
+    stacks = True
+
     def select(self, call):
-        return transfer(call.score, call.cand, "threshold", None, threshold=self.threshold)
+        return self.select_rows(call.score, call.cand, [call.step])
+
+    def select_rows(self, score, cand, steps):
+        return transfer(score, cand, "threshold", None, threshold=self.threshold)
 
 
 class Factor(RevealRule):
@@ -175,8 +195,13 @@ class Factor(RevealRule):
     def __init__(self, factor: float):
         self.factor = factor
 
+    stacks = True
+
     def select(self, call):
-        return transfer(call.score, call.cand, "factor", None, factor=self.factor)
+        return self.select_rows(call.score, call.cand, [call.step])
+
+    def select_rows(self, score, cand, steps):
+        return transfer(score, cand, "factor", None, factor=self.factor)
 
 
 # ---- Dream with a cache: Fast-dLLM's block loop ------------------------------
@@ -188,6 +213,7 @@ class DreamBlockStart(RevealRule):
     def __init__(self, inner: RevealRule):
         self.inner = inner
         self.name, self.mode = inner.name, inner.mode
+        self.stacks = inner.stacks
 
     def start_block(self, cand):
         self.inner.start_block(cand)
@@ -195,12 +221,27 @@ class DreamBlockStart(RevealRule):
     def select(self, call):
         if call.step > 0:
             return self.inner.select(call)
-        commit = torch.zeros_like(call.cand)
-        commit[:, 0] = call.cand[:, 0]
+        return self._block_start(call.score, call.cand)
+
+    def select_rows(self, score, cand, steps):
+        # Both selections are row-independent, so each row takes the one of its step.
+        first = [s == 0 for s in steps]
+        if not any(first):
+            return self.inner.select_rows(score, cand, steps)
+        start = self._block_start(score, cand)
+        if all(first):
+            return start
+        later = self.inner.select_rows(score, cand, steps)
+        return torch.where(torch.tensor(first, device=cand.device)[:, None], start, later)
+
+    @staticmethod
+    def _block_start(score, cand):
+        commit = torch.zeros_like(cand)
+        commit[:, 0] = cand[:, 0]
         # A row whose block-start token is already known commits its best candidate.
-        fallback = ~commit.any(1) & call.cand.any(1)
+        fallback = ~commit.any(1) & cand.any(1)
         if bool(fallback.any()):
-            best = transfer(call.score, call.cand, "topk", torch.ones(call.cand.shape[0], dtype=torch.long))
+            best = transfer(score, cand, "topk", torch.ones(cand.shape[0], dtype=torch.long))
             commit |= best & fallback[:, None]
         return commit
 

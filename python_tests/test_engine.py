@@ -26,6 +26,7 @@ from dllm_ops.serve import (Engine, EngineStopped, Failed, Finished, Progress, Q
                             ServerMetrics)
 from dllm_ops.serve.admission import sequence_kv_bytes
 from dllm_ops.serve.fused import RowCall, fused_step
+from dllm_ops.serve.stacked import canvas_width
 from dllm_ops.quant.storage import make_storage
 from dllm_ops.tasks import problems
 from backends import require
@@ -231,13 +232,15 @@ def test_abort_frees_the_slot_and_the_kv_bytes(llada):
     m = engine.metrics
     assert m.value("dllm_running_sequences") == 1 and m.value("dllm_queue_depth") == 1
     in_use = m.value("dllm_kv_bytes_in_use")
-    assert in_use == KVCache.full_nbytes(4, 1, 4, len(PROMPTS[0]) + 16, 32, torch.float32)
+    # a stacked row holds one slot of its cohort's canvas width
+    slot = KVCache.full_nbytes(4, 1, 4, canvas_width(llada, len(PROMPTS[0]) + 16), 32, torch.float32)
+    assert in_use == slot == m.value("dllm_kv_bytes_reserved")
     first.cancel()
     engine.tick()                                  # the abort frees the slot: the second joins
     assert first.outcome == Failed(499, "the request was cancelled")
     assert m.value("dllm_running_sequences") == 1 and m.value("dllm_queue_depth") == 0
-    assert m.value("dllm_kv_bytes_in_use") == KVCache.full_nbytes(4, 1, 4, len(PROMPTS[1]) + 16, 32,
-                                                                   torch.float32)
+    assert m.value("dllm_kv_bytes_in_use") == KVCache.full_nbytes(
+        4, 1, 4, canvas_width(llada, len(PROMPTS[1]) + 16), 32, torch.float32)
     second.cancel()
     engine.tick()
     assert m.value("dllm_running_sequences") == 0
@@ -255,6 +258,10 @@ def test_kv_budget_admits_more_quantized_sequences(llada):
     peak = {name: sequence_kv_bytes(llada, cfg, make_storage(llada, cfg.storage, "dual"), len(ids))
             for name, cfg in configs.items()}
     assert peak["full"] == KVCache.full_nbytes(4, 1, 4, len(ids) + 64, 32, torch.float32)
+    # full precision stacks: each row holds a slot of its cohort's canvas width
+    width = canvas_width(llada, len(ids) + 64)
+    assert width > len(ids) + 64
+    peak["full"] = KVCache.full_nbytes(4, 1, 4, width, 32, torch.float32)
     budget = 8 * peak["full"]
     admitted = {}
     for name, cfg in configs.items():
@@ -370,6 +377,9 @@ class FaultyEngine(Engine):
     def __init__(self, model, policy=None, reuse=None, **kw):
         super().__init__(model, **kw)
         self.policy, self.reuse = policy, reuse
+
+    def cohort_of(self, request):
+        return None if request.request_id == "bad" else super().cohort_of(request)
 
     def build_decoder(self, request):
         if request.request_id != "bad":

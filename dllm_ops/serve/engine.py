@@ -1,25 +1,33 @@
 """The server's engine: continuous batching over resumable decoders.
 
 One loop owns the model and runs one model call at a time (:meth:`Engine.tick`)
-over every running sequence. Each request is its own B=1
-:class:`dllm_ops.decode.Decoder`; a tick
+over every running sequence. A request whose configuration stacks
+(dllm_ops/serve/stacked.py: ``none`` / ``prefix`` / ``dual``, full storage,
+no reuse, greedy with a stacking reveal rule) is a row of its cohort's
+:class:`~dllm_ops.serve.stacked.StackedDecodes`, whose plan, K/V write,
+attention and commit run once per call for all its rows; any other request
+is its own B=1 :class:`dllm_ops.decode.Decoder`. A tick
 
 1. retires what was cancelled (``SequenceHandle.cancel``) or ran past its
    ``timeout_s``, queued or running;
 2. admits queued requests, first come first served, while fewer than
    ``max_running`` run and the reserved KV bytes of the running ones plus the
-   newcomer's stay within ``kv_budget`` (dllm_ops/serve/admission.py); a
-   newcomer joins this very call;
-3. plans each running decoder's next call (``begin_call``), runs ONE fused
-   forward over all of them (dllm_ops/serve/fused.py: every configuration
-   shares every call), and commits each decoder's tokens from its own logits
-   (``end_call``);
+   newcomer's stay within ``kv_budget`` (dllm_ops/serve/admission.py; a
+   cohort's whole slab counts, idle slots included, and a row that joins a
+   full slab adds one slot of the cohort's width); a newcomer joins this very
+   call;
+3. plans each running decoder's and cohort's next call (``begin_call``), runs
+   ONE fused forward over all of them (dllm_ops/serve/fused.py: every
+   configuration shares every call), and commits each one's tokens from its
+   own logits (``end_call``);
 4. reports each sequence's committed answer prefix as it grows (events in
    dllm_ops/serve/requests.py) and retires the finished ones at once, freeing
    their caches.
 
 A fault inside one sequence (its plan, its part of the forward, its commit)
-fails that request with status 500; the others decode on. ``start()`` runs
+fails that request with status 500; the others decode on. A fault inside a
+cohort's stacked work cannot be told apart by row, so it fails the rows of
+that cohort and no one else. ``start()`` runs
 the loop in a daemon thread; tests call ``tick()`` themselves and place
 submissions between ticks. ``submit`` is thread-safe and checks the request
 before queueing it (a bad request raises the DllmOpsError naming the field).
@@ -36,9 +44,11 @@ from typing import Callable
 from ..decode import Decoder
 from ..errors import DllmOpsError, ServeError
 from ..models import DiffusionLM
+from ..plan import KVCache
 from .admission import EngineStopped, QueueFull, check_request
 from .fused import RowCall, fused_step
 from .metrics import ServerMetrics
+from .stacked import StackedDecodes, cohort_key
 from .requests import (CANCELLED, INTERNAL_ERROR, STOPPED, TIMED_OUT, Failed, Finished, Progress,
                        Request, committed_answer)
 
@@ -52,7 +62,8 @@ class _Sequence:
     on_event: Callable
     kv_bytes: int                      # reserved peak KV bytes (admission)
     submitted: float                   # time.monotonic()
-    decoder: Decoder | None = None     # while running
+    decoder: Decoder | None = None     # while running on its own
+    stack: StackedDecodes | None = None  # while running as a row of a cohort
     sent: int = 0                      # answer tokens reported so far
     cancel_requested: bool = False
     outcome: Finished | Failed | None = None
@@ -110,11 +121,14 @@ class Engine:
             no bound); a request larger than the whole budget is refused.
         max_queue: requests waiting for admission; one more raises QueueFull.
         metrics: a ServerMetrics to update (default: the engine's own).
+        stacking: run the requests whose configurations stack as rows of their
+            cohort (False: every request its own Decoder, the engine before
+            stacking; benchmarks compare the two).
     """
 
     def __init__(self, model: DiffusionLM, tokenizer=None, *, max_running: int = 16,
                  kv_budget: int | None = None, max_queue: int = 64,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, stacking: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.max_running = _positive_int("max_running", max_running)
         self.kv_budget = _positive_int("kv_budget", kv_budget, optional=True)
@@ -125,7 +139,9 @@ class Engine:
         self._cv = threading.Condition()                      # guards the queue and the flags
         self._queue: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []                   # the ticking thread's
-        self._reserved = 0                                    # KV bytes of the running sequences
+        self._reserved = 0                                    # KV bytes of the running Decoders
+        self.stacking = bool(stacking)
+        self._stacks: dict[tuple, StackedDecodes] = {}        # the ticking thread's, by cohort
         self._tick_lock = threading.Lock()                    # one model call at a time
         self._stopping = False
         self._drain_deadline: float | None = None
@@ -167,11 +183,13 @@ class Engine:
 
     @property
     def kv_bytes_reserved(self) -> int:
-        return self._reserved
+        """The running Decoders' peak KV bytes plus every cohort's whole slab."""
+        return self._reserved + sum(st.nbytes() for st in list(self._stacks.values()))
 
     def kv_bytes_in_use(self) -> int:
-        """KV bytes the running sequences' caches hold now."""
-        return sum(s.decoder.state.cache.nbytes() for s in list(self._running) if s.decoder is not None)
+        """KV bytes the running sequences' caches hold now (a cohort's whole slab)."""
+        return (sum(s.decoder.state.cache.nbytes() for s in list(self._running) if s.decoder is not None)
+                + sum(st.nbytes() for st in list(self._stacks.values())))
 
     def build_decoder(self, request: Request) -> Decoder:
         """The decoder of an admitted request (tests override it to instrument one)."""
@@ -260,33 +278,71 @@ class Engine:
                 self._end(s, Failed(TIMED_OUT, f"the request timed out after {s.request.timeout_s} s "
                                                f"(timeout_s)"))
 
+    def cohort_of(self, request: Request) -> tuple | None:
+        """The cohort a request joins, or None: it runs its own Decoder
+        (:meth:`build_decoder`), also when one slot of its cohort's width would
+        exceed the whole KV budget. (Tests that instrument a request's decoder
+        route it to ``build_decoder`` here.)"""
+        if not self.stacking:
+            return None
+        key = cohort_key(self.model, request.config, len(request.prompt_ids))
+        if key is not None and self.kv_budget is not None and self._slot_bytes(key) > self.kv_budget:
+            return None
+        return key
+
+    def _slot_bytes(self, key: tuple) -> int:
+        c = self.model.config
+        return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, key[-1], c.head_dim, self.model.dtype)
+
     def _admit(self) -> None:
-        admitted = []
-        with self._cv:
-            while self._queue and len(self._running) + len(admitted) < self.max_running:
+        while True:
+            with self._cv:
+                if not self._queue or len(self._running) >= self.max_running:
+                    return
                 seq = self._queue[0]
-                if self.kv_budget is not None and self._reserved + seq.kv_bytes > self.kv_budget:
-                    break   # first come first served: a large request is not overtaken
+                key = self.cohort_of(seq.request)
+                stack = self._stacks.get(key) if key is not None else None
+                cost = (seq.kv_bytes if key is None else
+                        0 if stack is not None and stack.has_free_slot() else self._slot_bytes(key))
+                if self.kv_budget is not None and self.kv_bytes_reserved + cost > self.kv_budget:
+                    return   # first come first served: a large request is not overtaken
                 self._queue.popleft()
-                self._reserved += seq.kv_bytes
-                admitted.append(seq)
-        for seq in admitted:
-            try:
+            self._start(seq, key)
+
+    def _start(self, seq: _Sequence, key: tuple | None) -> None:
+        """The admitted request's decode: a row of its cohort, or its own Decoder."""
+        try:
+            if key is None:
                 seq.decoder = self.build_decoder(seq.request)
-            except DllmOpsError as e:
-                self._reserved -= seq.kv_bytes
-                self._end(seq, Failed(400, str(e)))
-                continue
-            except Exception as e:   # noqa: BLE001
-                self._reserved -= seq.kv_bytes
-                self._fault(seq, "starting its decode", e)
-                continue
-            self._running.append(seq)
+                self._reserved += seq.kv_bytes
+            else:
+                stack = self._stacks.get(key)
+                if stack is None:
+                    stack = StackedDecodes(self.model, seq.request.config, width=key[-1])
+                    self._stacks[key] = stack
+                stack.add(seq, list(seq.request.prompt_ids), seq.request.config)
+                seq.stack = stack
+        except DllmOpsError as e:
+            self._drop_empty_cohorts()
+            self._end(seq, Failed(400, str(e)))
+            return
+        except Exception as e:   # noqa: BLE001
+            self._drop_empty_cohorts()
+            self._fault(seq, "starting its decode", e)
+            return
+        self._running.append(seq)
+
+    def _drop_empty_cohorts(self) -> None:
+        """An empty cohort goes, and its slab with it."""
+        for key in [k for k, st in self._stacks.items() if not st.rows]:
+            del self._stacks[key]
 
     def _call(self) -> bool:
         t0 = time.perf_counter()
         ready = []
         for seq in list(self._running):
+            if seq.stack is not None:
+                continue
             try:
                 if not seq.decoder.ready():
                     self._report(seq, decode_ended=True)
@@ -294,9 +350,11 @@ class Engine:
                 ready.append((seq, seq.decoder.begin_call()))
             except Exception as e:   # noqa: BLE001 -- one request's fault is that request's
                 self._fault(seq, "planning its model call", e)
-        if not ready:
+        stacked = self._begin_cohort_calls()
+        if not ready and not stacked:
             return False
-        logits = fused_step(self.model, [RowCall.of(seq.decoder, call) for seq, call in ready])
+        logits = fused_step(self.model, [RowCall.of(seq.decoder, call) for seq, call in ready]
+                            + [call for _, _, call in stacked])
         committed = []
         for (seq, call), out in zip(ready, logits):
             if isinstance(out, Exception):
@@ -308,20 +366,68 @@ class Engine:
                 self._fault(seq, "committing tokens", e)
                 continue
             committed.append(seq)
+        for (stack, owners, call), out in zip(stacked, logits[len(ready):]):
+            if isinstance(out, Exception):
+                self._fault_cohort(owners, "its part of the model call", out)
+                continue
+            try:
+                stack.end_call(call, out)
+            except Exception as e:   # noqa: BLE001
+                self._fault_cohort(owners, "committing tokens", e)
+                continue
+            committed.extend(owners)
         seconds = time.perf_counter() - t0
+        regions = {}
+        for stack, owners, _ in stacked:
+            if stack.rows:
+                regions.update(zip([r.owner for r in stack.rows], stack.regions()))
         for seq in committed:
-            seq.decoder.wall_s += seconds     # the decode's stats: the calls it took part in
-            self._report(seq)
+            if seq.stack is not None:
+                seq.stack.row(seq).wall_s += seconds
+                self._report(seq, region=regions[seq])
+            elif seq.decoder is not None:
+                seq.decoder.wall_s += seconds     # the decode's stats: the calls it took part in
+                self._report(seq)
         self.metrics.model_calls.inc()
         self.metrics.call_seconds.observe(seconds)
-        self.metrics.call_rows.observe(len(ready))
+        self.metrics.call_rows.observe(len(ready) + sum(len(owners) for _, owners, _ in stacked))
         return True
 
-    def _report(self, seq: _Sequence, decode_ended: bool = False) -> None:
-        """Send the growth of the committed answer; end the request once it is whole."""
-        dec, c = seq.decoder, self.model.config
-        s = dec.state
-        answer = committed_answer(s.x[0, s.gen_start:].tolist(), mask_id=c.mask_id, eos_id=c.eos_id,
+    def _begin_cohort_calls(self) -> list:
+        """Each cohort's part of the call: ``(cohort, its rows' sequences, RowCall)``;
+        rows whose decode is over are reported (and leave) first."""
+        out = []
+        for stack in list(self._stacks.values()):
+            try:
+                over = stack.ready()
+            except Exception as e:   # noqa: BLE001 -- the cohort's fault is its rows'
+                self._fault_cohort([r.owner for r in stack.rows], "planning its model call", e)
+                continue
+            for seq in over:
+                self._report(seq, decode_ended=True)
+            if not stack.rows:
+                continue
+            owners = [r.owner for r in stack.rows]
+            try:
+                out.append((stack, owners, stack.begin_call()))
+            except Exception as e:   # noqa: BLE001
+                self._fault_cohort(owners, "planning its model call", e)
+        return out
+
+    def _fault_cohort(self, owners: list, doing: str, e: Exception) -> None:
+        for seq in owners:
+            self._fault(seq, doing, e)
+
+    def _report(self, seq: _Sequence, decode_ended: bool = False, region: list[int] | None = None) -> None:
+        """Send the growth of the committed answer; end the request once it is whole
+        (``region``: the sequence's generated region, when the caller read it)."""
+        dec, stack, c = seq.decoder, seq.stack, self.model.config
+        if region is None:
+            if stack is not None:
+                region = stack.regions()[stack.index(seq)]
+            else:
+                region = dec.state.x[0, dec.state.gen_start:].tolist()
+        answer = committed_answer(region, mask_id=c.mask_id, eos_id=c.eos_id,
                                   max_tokens=seq.request.max_tokens)
         if len(answer.token_ids) > seq.sent:
             new = answer.token_ids[seq.sent:]
@@ -329,7 +435,7 @@ class Engine:
             self.metrics.generated_tokens.inc(len(new))
             self._emit(seq, Progress(answer.token_ids, new))
         if answer.finish_reason is not None:
-            stats = dec.result().stats
+            stats = stack.stats(seq) if stack is not None else dec.result().stats
             text = self.tokenizer.decode(list(answer.token_ids)) if self.tokenizer is not None else None
             self._end(seq, Finished(answer.token_ids, answer.finish_reason,
                                     prompt_tokens=len(seq.request.prompt_ids),
@@ -354,8 +460,12 @@ class Engine:
             return
         if seq in self._running:
             self._running.remove(seq)
-            self._reserved -= seq.kv_bytes
-        seq.decoder = None
+            if seq.stack is not None:
+                seq.stack.remove(seq)
+                self._drop_empty_cohorts()
+            else:
+                self._reserved -= seq.kv_bytes
+        seq.decoder = seq.stack = None
         seq.outcome = event
         latency = time.monotonic() - seq.submitted
         self.metrics.request_seconds.observe(latency)
@@ -374,7 +484,7 @@ class Engine:
         m = self.metrics
         m.queue_depth.set(len(self._queue))
         m.running.set(len(self._running))
-        m.kv_bytes_reserved.set(self._reserved)
+        m.kv_bytes_reserved.set(self.kv_bytes_reserved)
         m.kv_bytes_in_use.set(self.kv_bytes_in_use())
 
 

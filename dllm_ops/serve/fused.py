@@ -85,17 +85,23 @@ class _Timers:
 
 class _PackedTokens:
     """Where each part's tokens sit in the fused call's packed hidden states
-    ``[1, tokens, C]`` (part i: its ``B_i x Q_i`` plan rows, row-major, from
-    ``start[i]``), and which parts failed. Packing instead of padding every part
-    to the longest plan keeps a block-start call (every canvas token) from
-    multiplying the other parts' MLP and LM-head rows."""
+    ``[1, tokens, C]`` (part i: the real entries of its ``B_i x Q_i`` plan,
+    row-major, from ``start[i]``; its −1 pads take no row), and which parts
+    failed. Packing instead of padding every part to the longest plan keeps a
+    block-start call (every canvas token) from multiplying the other parts'
+    MLP and LM-head rows, and the rows a stacked part pads from running at all."""
 
     def __init__(self, parts: list[RowCall]):
         self.parts = parts
-        self.start, at = [], 0
+        self.start, self.count, self.real, at = [], [], [], 0
         for p in parts:
             self.start.append(at)
-            at += p.plan.idx.numel()
+            n = p.plan.n_tokens
+            self.count.append(n)
+            # the flat plan entries that are tokens (None: all of them)
+            self.real.append(None if n == p.plan.idx.numel()
+                             else (p.plan.idx >= 0).reshape(-1).nonzero().view(-1))
+            at += n
         self.tokens = at
         self.failed: dict[int, Exception] = {}
 
@@ -103,14 +109,28 @@ class _PackedTokens:
         return [i for i in range(len(self.parts)) if i not in self.failed]
 
     def span(self, i: int) -> slice:
-        return slice(self.start[i], self.start[i] + self.parts[i].plan.idx.numel())
+        return slice(self.start[i], self.start[i] + self.count[i])
+
+    def expand(self, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """Part ``i``'s packed rows ``[n_i, X]`` as its plan's ``[B_i, Q_i, X]`` (zeros at pads)."""
+        B, Q = self.parts[i].plan.idx.shape
+        if self.real[i] is None:
+            return rows.reshape(B, Q, rows.shape[-1])
+        out = rows.new_zeros((B * Q, rows.shape[-1]))
+        out.index_copy_(0, self.real[i], rows)
+        return out.view(B, Q, rows.shape[-1])
+
+    def compact(self, i: int, value: torch.Tensor) -> torch.Tensor:
+        """Part ``i``'s ``[B_i, Q_i, X]`` as its packed rows ``[n_i, X]`` (pads dropped)."""
+        flat = value.reshape(-1, value.shape[-1])
+        return flat if self.real[i] is None else flat.index_select(0, self.real[i])
 
     def part(self, h: torch.Tensor, i: int) -> torch.Tensor:
         """Part ``i``'s rows of packed ``h [1, tokens, C]`` as its own ``[B_i, Q_i, C]``."""
-        return h[0, self.span(i)].reshape(*self.parts[i].plan.idx.shape, h.shape[-1])
+        return self.expand(i, h[0, self.span(i)])
 
     def put(self, out: torch.Tensor, i: int, value: torch.Tensor) -> None:
-        out[0, self.span(i)] = value.reshape(-1, value.shape[-1])
+        out[0, self.span(i)] = self.compact(i, value)
 
     def guarded(self, i: int, fn):
         """``fn()`` for part ``i``; an exception fails the part and gives None."""
@@ -139,8 +159,10 @@ class _PackedTokens:
         flat = []
         for i, r in rows.items():
             B, Q = self.parts[i].plan.idx.shape
-            base = self.start[i] + Q * torch.arange(B, device=r.device)[:, None]
-            flat.append(torch.where(r >= 0, r + base, torch.full_like(r, -1)).reshape(-1))
+            entry = r + Q * torch.arange(B, device=r.device)[:, None]    # into the flat plan
+            if self.real[i] is not None:   # a flat plan entry's place among the part's tokens
+                entry = ((self.parts[i].plan.idx >= 0).reshape(-1).cumsum(0) - 1)[entry.clamp_min(0)]
+            flat.append(torch.where(r >= 0, entry + self.start[i], torch.full_like(r, -1)).reshape(-1))
         return torch.cat(flat)[None]
 
 
@@ -166,15 +188,14 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
     pre_o = torch.zeros((a_full.shape[0], q.shape[-1]), dtype=q.dtype, device=q.device)
     at, done = 0, []
     for i in full:
-        n = packed.span(i).stop - packed.span(i).start
+        n = packed.count[i]
         rows_i = slice(at, at + n)
         at += n
-        shape = (*packed.parts[i].plan.idx.shape, -1)
         value = packed.guarded(i, lambda: write_and_attend(
-            model, li, q[rows_i].reshape(shape), k[rows_i].reshape(shape), v[rows_i].reshape(shape),
-            calls[i]))
+            model, li, packed.expand(i, q[rows_i]), packed.expand(i, k[rows_i]),
+            packed.expand(i, v[rows_i]), calls[i]))
         if value is not None:
-            pre_o[rows_i] = value.reshape(n, -1)
+            pre_o[rows_i] = packed.compact(i, value)
             done.append((i, rows_i))
     try:
         o = token_linear(layer.o, pre_o)
@@ -184,7 +205,7 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
         value = o[rows_i] if o is not None else packed.guarded(
             i, lambda: token_linear(layer.o, pre_o[rows_i]))
         if value is not None:
-            packed.put(out, i, value)
+            out[0, packed.span(i)] = value        # already the part's packed rows
 
 
 @torch.no_grad()

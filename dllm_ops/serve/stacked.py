@@ -1,0 +1,322 @@
+"""Stacked decodes: the server's requests of one cohort as the rows of one decode state.
+
+A :class:`dllm_ops.decode.Decoder` per request runs its plan, its K/V write and
+attention, its scoring, its commit and its EOS stop once per request per
+model call (~240 ATen ops and 6 scalar reads each): that, not the GEMMs,
+bounds how much a call over many requests saves (docs/design.md §4.2). Here
+the requests of one **cohort** are rows of one canvas ``x [R, W]`` and one
+K/V slab per layer ``[R, H_kv, W, d]``, each row at its own block and its own
+call of that block, and every step of a call runs once over all the rows:
+
+- the plan: ``[R, W]`` run / logits masks from per-row block bounds (the
+  Fast-dLLM policies' rules, written per row) and one ``mask_to_idx``;
+- the model call: one part of the engine's fused call
+  (dllm_ops/serve/fused.py), i.e. one embedding gather, one K/V write and one
+  attention launch per layer over the ``[R, Q_max]`` plan (−1 pads run no
+  token-row GEMM: the fused call packs only real tokens);
+- the commit: one ``token_confidence`` over every row's logits, the reveal
+  rule's :meth:`~dllm_ops.reveal.RevealRule.select_rows` with each row's own
+  step, one scatter; the EOS stop over every row's region.
+
+**Cohorts** (:func:`cohort_key`): requests whose decodes run the same code
+with the same constants: a cache method whose plan is a function of a row's
+block bounds alone (``none``, ``prefix``, ``dual``), full-precision storage,
+no per-layer reuse, greedy decoding with a rule that ``stacks`` (LLaDA's
+``topk`` / ``threshold`` / ``factor``, Dream's ``confidence_threshold`` with a
+cache), the same block length, steps per block, reveal settings and EOS
+stop, and a canvas of the same **width** (prompt + region rounded up to
+:data:`WIDTH_STEP` columns; a row's columns past its own length are invalid
+keys). Prompts, regions (``max_tokens``) and seeds differ freely within a
+cohort. Every other request runs its own Decoder; cohorts and decoders still
+share each model call's GEMMs.
+
+**Invariance.** A row answers exactly what it answers alone: its plan holds
+the positions its own decode would plan, in the same order; the fused call's
+GEMMs are row-independent (``token_linear``); ``rope_scatter_kv`` writes per
+token; ``sparse_attention`` reads a row's keys only and ignores invalid ones
+bit for bit (the trailing columns and the −1 query rows change no bit of the
+real rows); scoring and the rules are row-independent
+(python_tests/test_stacked.py checks all of it against ``generate``).
+
+**Memory.** The slab grows one row at a time when a row joins a full slab,
+keeps a leaving row's slot for the next (the last row moves into it, so the
+rows stay ``[0, R)``), and is freed when the cohort empties; the engine counts
+the whole slab, idle slots included, against ``--kv-budget``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..commit import _row_scores, _rows_to_block, fill_rows_ended_at_eos
+from ..config import DecodeConfig
+from ..decode import call_flops, make_sampling
+from ..errors import DecodeError
+from ..models import DiffusionLM
+from ..plan import KVCache, StepPlan, mask_to_idx
+from ..reveal import build_reveal
+from ..stats import DecodeStats
+from .fused import RowCall
+
+#: cache methods whose plan is a function of a row's block bounds alone
+STACKED_CACHES = ("none", "prefix", "dual")
+#: a cohort's canvas width is a row's length rounded up to a multiple of this
+WIDTH_STEP = 32
+
+
+def canvas_width(model: DiffusionLM, length: int) -> int:
+    """The width of the cohort a canvas of ``length`` columns joins."""
+    width = -(-length // WIDTH_STEP) * WIDTH_STEP
+    return max(length, min(width, model.config.max_seq_len))
+
+
+def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tuple | None:
+    """What a request's decode must share with the others of its cohort, or None
+    when it runs its own Decoder (see the module docstring)."""
+    r, shape = config.reveal, config.shape
+    if (config.cache.method not in STACKED_CACHES or config.reuse.method != "none"
+            or config.storage.method != "full" or config.time_layers
+            or r.temperature != 0 or r.prior_sigma or r.remasking != "low_confidence"):
+        return None
+    if model.config.arch == "dream":
+        if config.cache.method == "none" or r.alg != "confidence_threshold" or r.top_k is not None \
+                or (r.top_p is not None and r.top_p < 1):
+            return None     # Dream's own loop, its top-k quota, or its logit filter
+    elif r.unmask not in ("topk", "threshold", "factor"):
+        return None
+    return (config.cache.method, shape.block_length, shape.total_steps // shape.num_blocks,
+            shape.stop_at_eos, r, canvas_width(model, prompt_len + shape.gen_length))
+
+
+@dataclass(eq=False)
+class StackedRow:
+    """One request's place in a cohort: its geometry, its block, its counts."""
+    owner: object                  # the engine's sequence
+    prompt_len: int                # the row's region starts here (rows are left-aligned)
+    gen_length: int
+    block_limit: int
+    blocks_decoded: int = 0
+    block_start: int = 0
+    step: int = 0                  # calls made in the current block
+    nfe: int = 0
+    recomputed: list = field(default_factory=list)
+    flops: float = 0.0
+    eos_filled: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + self.gen_length
+
+
+class StackedDecodes:
+    """The decodes of one cohort (:func:`cohort_key`), as rows ``[0, R)`` of one state.
+
+    The engine calls :meth:`add` / :meth:`remove` between calls, then per call
+    :meth:`ready` (rows that cannot continue), :meth:`begin_call` (the part of
+    the fused call), :meth:`end_call` (commit), :meth:`regions`.
+    """
+
+    def __init__(self, model: DiffusionLM, config: DecodeConfig, width: int):
+        c = model.config
+        self.model, self.width = model, width
+        self.method, self.block_length = config.cache.method, config.shape.block_length
+        self.stop_at_eos = config.shape.stop_at_eos
+        self.rule = build_reveal(c.arch, config.reveal, config.shape, self.method, [])
+        if not self.rule.stacks:
+            raise DecodeError(f"the {self.rule.name!r} rule cannot run stacked")
+        self.rule.start_block(torch.zeros((0, self.block_length), dtype=torch.bool))  # every block is L
+        self.sampling = make_sampling(model, config, [])
+        self.mask_id, self.last_scores = c.mask_id, None     # what _row_scores reads and writes
+        self.rows: list[StackedRow] = []
+        self._cols = torch.arange(width, device=model.device)
+        self._allocate(0)
+
+    # ---- rows joining and leaving --------------------------------------------------------
+    def _allocate(self, capacity: int) -> None:
+        c, dev = self.model.config, self.model.device
+        W, n = self.width, len(self.rows)
+        old = getattr(self, "x", None)
+        x = torch.full((capacity, W), c.pad_id, dtype=torch.long, device=dev)
+        valid = torch.zeros((capacity, W), dtype=torch.bool, device=dev)
+        positions = torch.zeros((capacity, W), dtype=torch.long, device=dev)
+        active = torch.zeros(capacity, dtype=torch.bool, device=dev)
+        shape = (capacity, c.n_kv_heads, W, c.head_dim)
+        k = [torch.zeros(shape, dtype=self.model.dtype, device=dev) for _ in range(c.n_layers)]
+        v = [torch.zeros(shape, dtype=self.model.dtype, device=dev) for _ in range(c.n_layers)]
+        if old is not None and n:
+            for new, cur in zip((x, valid, positions, active, *k, *v),
+                                (self.x, self.key_valid, self.positions, self.active, *self.k, *self.v)):
+                new[:n] = cur[:n]
+        self.x, self.key_valid, self.positions, self.active, self.k, self.v = x, valid, positions, active, k, v
+
+    def add(self, owner, prompt_ids: list[int], config: DecodeConfig) -> None:
+        """A request joins: its canvas in the next row (the slab grows by one row when full)."""
+        n, c = len(self.rows), self.model.config
+        P, G = len(prompt_ids), config.shape.gen_length
+        if P + G > self.width:
+            raise DecodeError(f"a canvas of {P + G} columns does not fit this cohort's {self.width}")
+        if n == self.x.shape[0]:
+            self._allocate(n + 1)
+        self.x[n] = c.pad_id
+        self.x[n, :P] = torch.tensor(prompt_ids, dtype=torch.long, device=self.x.device)
+        self.x[n, P:P + G] = c.mask_id
+        self.key_valid[n] = self._cols < P + G
+        # a row's RoPE positions are its own columns' (KVCache.empty's rule for one row)
+        self.positions[n] = (self.key_valid[n].long().cumsum(0) - 1).clamp_min(0)
+        self.active[n] = True
+        for t in (*self.k, *self.v):
+            t[n].zero_()
+        self.rows.append(StackedRow(owner, P, G, config.shape.blocks_to_decode))
+
+    def remove(self, owner) -> None:
+        """A request leaves: the last row moves into its slot; an empty cohort frees its slab."""
+        r = self.index(owner)
+        last = len(self.rows) - 1
+        if r != last:
+            for t in (self.x, self.key_valid, self.positions, self.active, *self.k, *self.v):
+                t[r] = t[last]
+            self.rows[r] = self.rows[last]
+        self.rows.pop()
+        if not self.rows:
+            self._allocate(0)
+
+    def index(self, owner) -> int:
+        for i, row in enumerate(self.rows):
+            if row.owner is owner:
+                return i
+        raise KeyError("not a row of this cohort")
+
+    def row(self, owner) -> StackedRow:
+        return self.rows[self.index(owner)]
+
+    def nbytes(self) -> int:
+        """Bytes the slab's K/V hold, every slot counted (idle ones too)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def row_nbytes(self) -> int:
+        """Bytes one more slot adds to the slab."""
+        c = self.model.config
+        return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, self.width, c.head_dim, self.model.dtype)
+
+    def has_free_slot(self) -> bool:
+        return len(self.rows) < self.x.shape[0]
+
+    # ---- one call ----------------------------------------------------------------------------
+    def _block_starts(self) -> torch.Tensor:
+        return torch.tensor([r.block_start for r in self.rows], dtype=torch.long, device=self.x.device)
+
+    def _block_columns(self, starts: torch.Tensor) -> torch.Tensor:
+        """``[R, L]`` each row's block columns."""
+        return starts[:, None] + self._cols[:self.block_length]
+
+    def _block_candidates(self, cols: torch.Tensor) -> torch.Tensor:
+        n = len(self.rows)
+        return (self.x[:n].gather(1, cols) == self.mask_id) & self.active[:n, None]
+
+    def ready(self) -> list:
+        """Open each row's next block where its block has no candidate left (a
+        Decoder's ``ready`` per row); the owners of the rows whose decode is
+        over (their last block done, or stopped at EOS)."""
+        if not self.rows:
+            return []
+        has = self._block_candidates(self._block_columns(self._block_starts())).any(1).tolist()
+        over = []
+        for i, row in enumerate(self.rows):
+            if row.blocks_decoded and has[i]:
+                continue
+            while True:
+                if row.blocks_decoded >= row.block_limit or (row.blocks_decoded and not bool(self.active[i])):
+                    over.append(row.owner)
+                    break
+                row.block_start = row.prompt_len + row.blocks_decoded * self.block_length
+                row.step = 0
+                row.blocks_decoded += 1
+                cols = self._block_columns(torch.tensor([row.block_start], device=self.x.device))
+                if bool((self.x[i:i + 1].gather(1, cols) == self.mask_id).any()):
+                    break
+        return over
+
+    def begin_call(self) -> RowCall:
+        """Every row's plan for this call (each row must be ready), as a part of the fused call."""
+        n, L, col = len(self.rows), self.block_length, self._cols
+        x, active = self.x[:n], self.active[:n, None]
+        starts = self._block_starts()[:, None]
+        valid = self.key_valid[:n] & active
+        in_block = (col >= starts) & (col < starts + L)
+        first = torch.tensor([r.step == 0 for r in self.rows], device=x.device)[:, None]
+        # The block start is a full forward (Policy.on_block_start); then the
+        # policies of dllm_ops/policies/fastdllm.py, per row.
+        if self.method == "none":
+            run = valid
+        elif self.method == "prefix":
+            run = valid & (first | (col >= starts))
+        else:
+            run = valid & (first | in_block)
+        want = (x == self.mask_id) & in_block & active           # DecodeState.plan_for, per row
+        if self.model.config.logit_shift:
+            want = torch.roll(want, -1, dims=1)
+            want[:, -1] = False
+        plan = StepPlan(mask_to_idx(run), mask_to_idx(want & run))
+        cache = KVCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v],
+                        key_valid=self.key_valid[:n], positions=self.positions[:n])
+        return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
+
+    def end_call(self, call: RowCall, logits: torch.Tensor) -> None:
+        """Commit each row's tokens from the call's ``[R, P, V]`` logits (``commit_tokens``
+        per row), count the call, and stop rows at EOS."""
+        n, L, plan = len(self.rows), self.block_length, call.plan
+        x = self.x[:n]
+        starts = self._block_starts()
+        shift = 1 if self.model.config.logit_shift else 0
+        pos = plan.logits_idx + shift - starts[:, None]
+        in_block = (plan.logits_idx >= 0) & (pos >= 0) & (pos < L)
+        has = _rows_to_block(in_block, pos, in_block, L, False)
+        cols = self._block_columns(starts)
+        block = x.gather(1, cols)
+        cand = (block == self.mask_id) & self.active[:n, None]
+        if bool((cand & ~has).any()):
+            raise DecodeError("the stacked plan has no logits for a candidate")
+        P = logits.shape[1]
+        token, score = _row_scores(self, logits, self.rule.mode, self.sampling, None)
+        token = _rows_to_block(token.view(n, P), pos, in_block, L, self.mask_id)
+        score = _rows_to_block(score.view(n, P), pos, in_block, L, 0.0)
+        commit = self.rule.select_rows(score, cand, [r.step for r in self.rows]) & cand
+        x.scatter_(1, cols, torch.where(commit, token, block))
+        counts = torch.stack([(plan.idx >= 0).sum(1), (plan.logits_idx >= 0).sum(1)]).tolist()
+        for i, row in enumerate(self.rows):
+            row.nfe += 1
+            row.step += 1
+            row.recomputed.append(counts[0][i])
+            row.flops += call_flops(self.model, counts[0][i], counts[1][i], row.length)
+        if self.stop_at_eos:
+            c, col = self.model.config, self._cols
+            gen_start = torch.tensor([r.prompt_len for r in self.rows], device=x.device)[:, None]
+            gen_end = torch.tensor([r.length for r in self.rows], device=x.device)[:, None]
+            region = (col >= gen_start) & (col < gen_end)
+            filled = fill_rows_ended_at_eos(x, (x == c.eos_id) & region, (x == c.mask_id) & region,
+                                            self.active[:n], c.eos_id)
+            for row, f in zip(self.rows, filled.tolist()):
+                row.eos_filled += f
+
+    def regions(self) -> list[list[int]]:
+        """Each row's generated region as it stands (one read of the canvas)."""
+        canvas = self.x[:len(self.rows)].tolist()
+        return [canvas[i][r.prompt_len:r.length] for i, r in enumerate(self.rows)]
+
+    def stats(self, owner) -> DecodeStats:
+        """The row's decode counts, as ``Decoder.result().stats`` would give them alone."""
+        i = self.index(owner)
+        row, c = self.rows[i], self.model.config
+        region = self.x[i, row.prompt_len:row.length].tolist()
+        text = region[: region.index(c.eos_id)] if c.eos_id in region else region
+        n_gen = sum(1 for t in text if t != c.mask_id)
+        wall = row.wall_s
+        return DecodeStats(
+            nfe=row.nfe, wall_s=wall, generated_tokens=n_gen,
+            tokens_per_s=n_gen / wall if wall > 0 else float("nan"),
+            tokens_recomputed=sum(row.recomputed) * c.n_layers, recomputed_per_step=list(row.recomputed),
+            n_layers=c.n_layers, model_flops=row.flops, eos_filled=[row.eos_filled], cache=self.method,
+            reveal=self.rule.name, blocks_decoded=row.blocks_decoded,
+            blocks=row.gen_length // self.block_length)
