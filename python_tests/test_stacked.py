@@ -1,0 +1,266 @@
+"""Stacked decodes (dllm_ops/serve/stacked.py): a cohort's requests as rows of one state.
+
+What must hold: each row answers, with the same counts, what ``generate``
+answers for it alone (float32 and bf16, both tiny models, every cache method
+and reveal rule that stacks), while rows join and leave at different calls of
+different blocks; the stacked part's logits are the single decode's bit for
+bit; the cohort rule sends everything else to its own Decoder; the slab's
+slots and bytes follow the rows; a fault in a cohort fails that cohort only.
+"""
+import pytest
+
+pytest.importorskip("prometheus_client")
+import torch
+
+from dllm_ops.config import DecodeConfig
+from dllm_ops.decode import Decoder, generate
+from dllm_ops.models import load
+from dllm_ops.plan import KVCache
+from dllm_ops.serve import Engine, Failed, Finished, Request
+from dllm_ops.serve.fused import RowCall, fused_step
+from dllm_ops.serve.stacked import StackedDecodes, canvas_width, cohort_key
+from dllm_ops.tasks import problems
+from backends import require
+
+pytestmark = pytest.mark.models
+
+# prompts of 24, 18, 46 and 18 tokens from the suite the tiny models solve
+PROMPTS = [list(p.prompt_ids) for t in ("add", "scan", "sub", "lag2") for p in problems(t, 3, seed=7)]
+
+#: what stacks, per architecture: (cache method, reveal section)
+STACKING = {
+    "llada": [("dual", dict(unmask="threshold", threshold=0.9)), ("prefix", dict(unmask="topk")),
+              ("none", dict(unmask="factor", factor=1.0)), ("dual", dict(unmask="topk"))],
+    "dream": [("dual", dict(alg="confidence_threshold", threshold=0.9)),
+              ("prefix", dict(alg="confidence_threshold", threshold=0.7))],
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {}
+
+
+def model_for(models, name, dtype=torch.float32, device="cpu"):
+    key = (name, dtype, device)
+    if key not in models:
+        models[key] = load(f"tiny-{name}", dtype=dtype, device=device)
+    return models[key]
+
+
+def config(method, reveal, gen_length=16, block_length=8, **shape):
+    return DecodeConfig.from_dict(dict(shape=dict(gen_length=gen_length, block_length=block_length, **shape),
+                                       cache=dict(method=method), reveal=reveal))
+
+
+def stacked_schedule(model, method, reveal):
+    """Requests of one cohort kind join at calls 0, 1, 2 and 4 (different prompt
+    lengths and regions, so rows sit at different calls of different blocks and
+    in two widths), one is cancelled mid-decode (a middle row: the last row
+    moves into its slot); every other answer and its counts must be
+    generate's alone."""
+    engine = Engine(model, max_running=16)
+    added = []
+    add = StackedDecodes.add
+
+    def spy(self, owner, prompt_ids, cfg):
+        added.append(owner.request.request_id)
+        return add(self, owner, prompt_ids, cfg)
+
+    submitted, handles = {}, {}
+
+    def submit(name, prompt, gen_length):
+        cfg = config(method, reveal, gen_length=gen_length)
+        events = []
+        handles[name] = engine.submit(Request(PROMPTS[prompt], cfg, gen_length, request_id=name),
+                                      events.append)
+        submitted[name] = (PROMPTS[prompt], cfg)
+
+    StackedDecodes.add = spy
+    try:
+        submit("a", 7, 32)                 # 46 + 32 columns: a cohort of width 96
+        submit("b", 0, 16)                 # the others: width 64
+        engine.tick()
+        submit("doomed", 3, 32)
+        submit("c", 10, 24)
+        engine.tick()
+        submit("d", 1, 16)
+        engine.tick()
+        assert not handles["doomed"].done()
+        handles["doomed"].cancel()         # a middle row: the last row moves into its slot
+        engine.tick()
+        submit("e", 4, 40)
+        for _ in range(300):
+            if not engine.tick() and not engine.queued:
+                break
+    finally:
+        StackedDecodes.add = add
+    assert sorted(added) == sorted(submitted)              # every request ran as a row
+    assert handles["doomed"].outcome == Failed(499, "the request was cancelled")
+    del submitted["doomed"]
+    for name, (ids, cfg) in submitted.items():
+        fin = handles[name].outcome
+        assert isinstance(fin, Finished), (name, fin)
+        alone = generate(model, [ids], cfg)
+        seq = alone.sequences[0]
+        assert list(fin.token_ids) == seq, name
+        got, want = fin.stats, alone.stats
+        for key in ("nfe", "recomputed_per_step", "model_flops", "eos_filled", "blocks_decoded",
+                    "generated_tokens", "tokens_recomputed", "cache", "reveal", "blocks"):
+            assert got[key] == want[key], (name, key, got[key], want[key])
+    assert engine.running == 0 and engine.kv_bytes_in_use() == 0 and engine.kv_bytes_reserved == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch,case", [(a, i) for a, cases in STACKING.items() for i in range(len(cases))])
+def test_stacked_rows_answer_what_generate_answers_alone(models, arch, case, dtype):
+    method, reveal = STACKING[arch][case]
+    stacked_schedule(model_for(models, arch, dtype), method, reveal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", list(STACKING))
+def test_stacked_rows_answer_what_generate_answers_alone_on_cuda(models, arch, dtype):
+    """The same schedule on the GPU (`make gpu-check`), every stacking kind of the model."""
+    require("cuda")
+    for method, reveal in STACKING[arch]:
+        stacked_schedule(model_for(models, arch, dtype, "cuda"), method, reveal)
+
+
+@pytest.mark.parametrize("arch", list(STACKING))
+def test_stacked_logits_are_bitwise_the_single_calls(models, arch):
+    """At every call, each row's logits in the stacked part of a fused call equal
+    ``model.step`` of that request's own Decoder, bit for bit."""
+    model = model_for(models, arch)
+    method, reveal = STACKING[arch][0]
+    prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[3]]          # 24, 46, 18 tokens
+    cfgs = [config(method, reveal, gen_length=g) for g in (16, 32, 16)]
+    widths = {canvas_width(model, len(p) + c.shape.gen_length) for p, c in zip(prompts, cfgs)}
+    stack = StackedDecodes(model, cfgs[0], width=max(widths))
+    singles = []
+    for i, (p, c) in enumerate(zip(prompts, cfgs)):
+        stack.add(i, p, c)
+        singles.append(Decoder(model, [p], c))
+    calls = 0
+    while True:
+        over = stack.ready()
+        for owner in over:
+            stack.remove(owner)
+        if not stack.rows:
+            break
+        call = stack.begin_call()
+        out = fused_step(model, [call])[0]
+        assert not isinstance(out, Exception), out
+        for r, row in enumerate(stack.rows):
+            dec = singles[row.owner]
+            assert dec.ready()
+            own = dec.begin_call()
+            want = model.step(dec.state.x, own.plan, dec.state.cache)
+            P = want.shape[1]
+            assert torch.equal(out[r, :P], want[0]), (arch, calls, row.owner)
+            assert not out[r, P:].any()                     # the part's padding rows
+            dec.end_call(own, want)
+        stack.end_call(call, out)
+        calls += 1
+    assert calls >= 4
+    assert all(not d.ready() for d in singles)
+
+
+def test_what_stacks_and_what_runs_its_own_decoder(models):
+    llada, dream = model_for(models, "llada"), model_for(models, "dream")
+    base = dict(shape=dict(gen_length=16, block_length=8))
+    stacks = dict(cache=dict(method="dual"), reveal=dict(unmask="threshold"))
+    key = cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}), 20)
+    assert key is not None and key[-1] == canvas_width(llada, 36) == 64
+    # prompt and region may differ within a width; block length, rule and width split cohorts
+    assert cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}), 40) == key
+    assert cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}), 60) != key
+    assert cohort_key(llada, DecodeConfig.from_dict(
+        {"shape": dict(gen_length=16, block_length=16), **stacks}), 20) != key
+    own = [dict(cache=dict(method="d2cache")),
+           dict(cache=dict(method="dual"), reuse=dict(method="kv", rho=0.5)),
+           dict(cache=dict(method="dual"), storage=dict(method="kivi", bits=4)),
+           dict(cache=dict(method="dual"), reveal=dict(temperature=0.5)),
+           dict(cache=dict(method="dual"), reveal=dict(unmask="threshold", prior_sigma=3.0)),
+           dict(cache=dict(method="dual"), reveal=dict(remasking="random")),
+           {**stacks, "time_layers": True}]
+    for tree in own:
+        assert cohort_key(llada, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
+    dream_own = [dict(cache=dict(method="none"), reveal=dict(alg="confidence_threshold")),
+                 dict(cache=dict(method="dual"), reveal=dict(alg="entropy")),
+                 dict(cache=dict(method="dual"), reveal=dict(alg="confidence_threshold", top_p=0.9))]
+    for tree in dream_own:
+        assert cohort_key(dream, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
+    assert cohort_key(dream, DecodeConfig.from_dict(
+        {**base, "cache": dict(method="dual"), "reveal": dict(alg="confidence_threshold")}), 20) is not None
+    # a width never exceeds the model's length limit, nor cuts a canvas
+    assert canvas_width(llada, 250) == 256 and canvas_width(llada, 256) == 256
+
+
+def test_slots_follow_the_rows(models):
+    """The slab grows a slot when a row joins a full one, keeps a left slot for the
+    next row, moves the last row into a hole, and is freed when the cohort empties."""
+    model = model_for(models, "llada")
+    cfg = config("dual", dict(unmask="threshold"))
+    stack = StackedDecodes(model, cfg, width=64)
+    slot = KVCache.full_nbytes(4, 1, 4, 64, 32, torch.float32)
+    assert stack.row_nbytes() == slot and stack.nbytes() == 0
+    for i in range(3):
+        stack.add(i, PROMPTS[i], cfg)
+    assert stack.nbytes() == 3 * slot and not stack.has_free_slot()
+    stack.ready()
+    stack.end_call(call := stack.begin_call(), fused_step(model, [call])[0])
+    moved = [stack.x[2].clone(), stack.k[1][2].clone(), stack.positions[2].clone()]
+    stack.remove(0)                                        # the last row moves into slot 0
+    assert [r.owner for r in stack.rows] == [2, 1] and stack.has_free_slot()
+    assert torch.equal(stack.x[0], moved[0]) and torch.equal(stack.k[1][0], moved[1])
+    assert torch.equal(stack.positions[0], moved[2])
+    stack.add(3, PROMPTS[3], cfg)                          # takes the idle slot
+    assert stack.nbytes() == 3 * slot and stack.index(3) == 2
+    assert not stack.key_valid[2, len(PROMPTS[3]) + 16:].any() and stack.key_valid[2, :len(PROMPTS[3]) + 16].all()
+    assert not stack.k[0][2].any()                         # a joining row starts from an empty cache
+    for owner in (1, 2, 3):
+        stack.remove(owner)
+    assert stack.nbytes() == 0 and not stack.rows
+
+
+def test_a_fault_in_a_cohort_fails_only_its_rows(models, monkeypatch):
+    """A commit that raises for a cohort fails that cohort's requests (500); a
+    request of another cohort and one on its own Decoder decode on, exactly."""
+    model = model_for(models, "llada")
+    engine = Engine(model)
+    bad = config("dual", dict(unmask="threshold"))
+    other = config("dual", dict(unmask="threshold"), block_length=16)   # another cohort
+    own = DecodeConfig.from_dict(dict(shape=dict(gen_length=16, block_length=8), cache=dict(method="dual"),
+                                      reveal=dict(unmask="threshold"), storage=dict(method="kivi", bits=4)))
+    handles = {name: engine.submit(Request(PROMPTS[i], cfg, 16, request_id=name), lambda e: None)
+               for i, (name, cfg) in enumerate([("bad1", bad), ("bad2", bad), ("other", other),
+                                                ("own", own)])}
+    end_call = StackedDecodes.end_call
+
+    def fails_for_bad(self, call, logits):
+        if self.rows[0].owner.request.request_id.startswith("bad"):
+            raise RuntimeError("cohort fault on purpose")
+        return end_call(self, call, logits)
+    monkeypatch.setattr(StackedDecodes, "end_call", fails_for_bad)
+    for _ in range(100):
+        if not engine.tick():
+            break
+    for name in ("bad1", "bad2"):
+        out = handles[name].outcome
+        assert isinstance(out, Failed) and out.status == 500 and "cohort fault on purpose" in out.message
+    for name, cfg, i in (("other", other, 2), ("own", own, 3)):
+        assert list(handles[name].outcome.token_ids) == generate(model, [PROMPTS[i]], cfg).sequences[0][:16]
+    assert engine.running == 0 and engine.kv_bytes_reserved == 0
+
+
+def test_stacking_off_runs_every_request_on_its_own_decoder(models):
+    model = model_for(models, "llada")
+    engine = Engine(model, stacking=False)
+    cfg = config("dual", dict(unmask="threshold"))
+    h = engine.submit(Request(PROMPTS[0], cfg, 16), lambda e: None)
+    engine.tick()
+    assert not engine._stacks and engine._running[0].decoder is not None
+    while engine.tick():
+        pass
+    assert list(h.outcome.token_ids) == generate(model, [PROMPTS[0]], cfg).sequences[0]
