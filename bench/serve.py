@@ -1,7 +1,8 @@
 """Load on a running ``python -m dllm_ops serve``: throughput and latency per concurrency.
 
     python -m bench serve --spawn tiny-llada [--requests 32] [--concurrency 1 4 16 64]
-                          [--time-limit 120] [--threads N] [--device cpu|cuda] [--json FILE]
+                          [--time-limit 120] [--threads N] [--device cpu|cuda] [--no-stacking]
+                          [--json FILE]
     python -m bench serve --url http://127.0.0.1:8000 --model tiny-llada   (a server already up)
 
 Bounded and loopback only: each concurrency level sends a fixed number of
@@ -310,6 +311,8 @@ def cmd_serve(args) -> int:
                  "--log-level", "warning", "--dtype", "fp32", "--device", args.device]
         if args.threads:
             extra += ["--threads", str(args.threads)]
+        if not args.stacking:
+            extra += ["--no-stacking"]
         server = ServerProcess(args.spawn, extra, ready_timeout=args.time_limit)
         url, served = server.url, args.served_model_name or args.spawn
     else:
@@ -339,7 +342,8 @@ def cmd_serve(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(url=url, model=served, setting=SETTING, block_length=BLOCK_LENGTH,
-                           sequential_req_s=seq_req_s, device=args.device, rows=rows), f, indent=2)
+                           sequential_req_s=seq_req_s, device=args.device,
+                           stacking=args.stacking if args.spawn else None, rows=rows), f, indent=2)
     return 0
 
 
@@ -357,5 +361,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (server and baseline)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the spawned server and the generate baseline run")
+    p.add_argument("--no-stacking", dest="stacking", action="store_false",
+                   help="spawn the server with --no-stacking (every request its own decoder)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.set_defaults(func=cmd_serve)

@@ -625,6 +625,9 @@ class PlanFaultOnSub:
                 return super().plan(state)
 
         class SubFaultEngine(Engine):
+            def cohort_of(self, request):       # the sub prompts run their own Decoder
+                return None if sub_id in request.prompt_ids else super().cohort_of(request)
+
             def build_decoder(self, request):
                 if sub_id not in request.prompt_ids:
                     return super().build_decoder(request)

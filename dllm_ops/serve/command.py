@@ -2,7 +2,7 @@
 
     python -m dllm_ops serve --model PATH|tiny-llada|tiny-dream [--host 127.0.0.1] [--port 8000]
         [--max-running N] [--kv-budget BYTES] [--max-queue N] [--request-timeout S]
-        [--drain-timeout S] [--served-model-name NAME]
+        [--drain-timeout S] [--served-model-name NAME] [--no-stacking]
         [--config FILE.json] [--cache ...] [--threshold ...] [--set KEY=VALUE ...]
         [--dtype ...] [--device ...] [--threads N]
         [--ray --replicas N [--gpus-per-replica G] [--cpus-per-replica C] [--ray-address ADDR]]
@@ -40,6 +40,9 @@ def add_server_arguments(p) -> None:
                    help="a request's limit in seconds, queueing included (default: none)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long running requests may take to finish (default 30)")
+    p.add_argument("--no-stacking", dest="stacking", action="store_false",
+                   help="run every request on its own decoder instead of stacking the requests "
+                        "of a cohort into one decode state (dllm_ops/serve/stacked.py; for comparisons)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("replicas under Ray Serve (pip install '.[ray]'; dllm_ops/serve/replicas.py)")
     r.add_argument("--ray", action="store_true",
@@ -68,7 +71,7 @@ def serve(args, model, defaults) -> int:
 
     metrics = ServerMetrics()
     engine = Engine(model, model.tokenizer, max_running=args.max_running, kv_budget=args.kv_budget,
-                    max_queue=args.max_queue, metrics=metrics)
+                    max_queue=args.max_queue, metrics=metrics, stacking=args.stacking)
     app = create_app(engine, model.tokenizer, args.served_model_name or served_model_name(args.model),
                      defaults, context_length=model.config.max_seq_len, metrics=metrics,
                      request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)

@@ -192,7 +192,8 @@ class Engine:
                 + sum(st.nbytes() for st in list(self._stacks.values())))
 
     def build_decoder(self, request: Request) -> Decoder:
-        """The decoder of an admitted request (tests override it to instrument one)."""
+        """The decoder of an admitted request that does not stack (tests override
+        it to instrument one, with :meth:`cohort_of` sending that request here)."""
         return Decoder(self.model, [list(request.prompt_ids)], request.config)
 
     # ---- the loop ------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def replica_spec(args, defaults) -> dict:
                 served_model_name=args.served_model_name or served_model_name(args.model),
                 max_running=args.max_running, kv_budget=args.kv_budget, max_queue=args.max_queue,
                 request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                defaults=defaults.to_dict())
+                stacking=args.stacking, defaults=defaults.to_dict())
 
 
 class ServerReplica:
@@ -65,7 +65,7 @@ class ServerReplica:
         self.metrics = ServerMetrics()
         self.engine = Engine(self.model, self.model.tokenizer, max_running=spec["max_running"],
                              kv_budget=spec["kv_budget"], max_queue=spec["max_queue"],
-                             metrics=self.metrics)
+                             metrics=self.metrics, stacking=spec.get("stacking", True))
         self.replica_id = _replica_id()
 
     def __serve_build_asgi_app__(self):
