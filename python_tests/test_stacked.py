@@ -27,9 +27,10 @@ pytestmark = pytest.mark.models
 # prompts of 24, 18, 46 and 18 tokens from the suite the tiny models solve
 PROMPTS = [list(p.prompt_ids) for t in ("add", "scan", "sub", "lag2") for p in problems(t, 3, seed=7)]
 
-#: what stacks, per architecture: (cache method, reveal section)
+#: what stacks, per architecture: (cache method, reveal section[, calls per block]); top-k
+#: with 3 calls per block of 8 commits 3, 3, then 2 tokens: each row's quota is its step's
 STACKING = {
-    "llada": [("dual", dict(unmask="threshold", threshold=0.9)), ("prefix", dict(unmask="topk")),
+    "llada": [("dual", dict(unmask="threshold", threshold=0.9)), ("prefix", dict(unmask="topk"), 3),
               ("none", dict(unmask="factor", factor=1.0)), ("dual", dict(unmask="topk"))],
     "dream": [("dual", dict(alg="confidence_threshold", threshold=0.9)),
               ("prefix", dict(alg="confidence_threshold", threshold=0.7))],
@@ -48,12 +49,13 @@ def model_for(models, name, dtype=torch.float32, device="cpu"):
     return models[key]
 
 
-def config(method, reveal, gen_length=16, block_length=8, **shape):
-    return DecodeConfig.from_dict(dict(shape=dict(gen_length=gen_length, block_length=block_length, **shape),
+def config(method, reveal, gen_length=16, block_length=8, steps_per_block=None):
+    steps = None if steps_per_block is None else steps_per_block * gen_length // block_length
+    return DecodeConfig.from_dict(dict(shape=dict(gen_length=gen_length, block_length=block_length, steps=steps),
                                        cache=dict(method=method), reveal=reveal))
 
 
-def stacked_schedule(model, method, reveal):
+def stacked_schedule(model, method, reveal, steps_per_block=None):
     """Requests of one cohort kind join at calls 0, 1, 2 and 4 (different prompt
     lengths and regions, so rows sit at different calls of different blocks and
     in two widths), one is cancelled mid-decode (a middle row: the last row
@@ -70,7 +72,7 @@ def stacked_schedule(model, method, reveal):
     submitted, handles = {}, {}
 
     def submit(name, prompt, gen_length):
-        cfg = config(method, reveal, gen_length=gen_length)
+        cfg = config(method, reveal, gen_length=gen_length, steps_per_block=steps_per_block)
         events = []
         handles[name] = engine.submit(Request(PROMPTS[prompt], cfg, gen_length, request_id=name),
                                       events.append)
@@ -114,8 +116,7 @@ def stacked_schedule(model, method, reveal):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch,case", [(a, i) for a, cases in STACKING.items() for i in range(len(cases))])
 def test_stacked_rows_answer_what_generate_answers_alone(models, arch, case, dtype):
-    method, reveal = STACKING[arch][case]
-    stacked_schedule(model_for(models, arch, dtype), method, reveal)
+    stacked_schedule(model_for(models, arch, dtype), *STACKING[arch][case])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -123,8 +124,8 @@ def test_stacked_rows_answer_what_generate_answers_alone(models, arch, case, dty
 def test_stacked_rows_answer_what_generate_answers_alone_on_cuda(models, arch, dtype):
     """The same schedule on the GPU (`make gpu-check`), every stacking kind of the model."""
     require("cuda")
-    for method, reveal in STACKING[arch]:
-        stacked_schedule(model_for(models, arch, dtype, "cuda"), method, reveal)
+    for case in STACKING[arch]:
+        stacked_schedule(model_for(models, arch, dtype, "cuda"), *case)
 
 
 @pytest.mark.parametrize("arch", list(STACKING))
@@ -132,7 +133,7 @@ def test_stacked_logits_are_bitwise_the_single_calls(models, arch):
     """At every call, each row's logits in the stacked part of a fused call equal
     ``model.step`` of that request's own Decoder, bit for bit."""
     model = model_for(models, arch)
-    method, reveal = STACKING[arch][0]
+    method, reveal = STACKING[arch][0][:2]
     prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[3]]          # 24, 46, 18 tokens
     cfgs = [config(method, reveal, gen_length=g) for g in (16, 32, 16)]
     widths = {canvas_width(model, len(p) + c.shape.gen_length) for p, c in zip(prompts, cfgs)}
@@ -264,3 +265,37 @@ def test_stacking_off_runs_every_request_on_its_own_decoder(models):
     while engine.tick():
         pass
     assert list(h.outcome.token_ids) == generate(model, [PROMPTS[0]], cfg).sequences[0]
+
+
+def test_the_budget_counts_whole_slabs_and_reuses_idle_slots(models):
+    """Under a budget of three slots, three rows of a cohort run; a cancelled row's
+    slot stays reserved and the next row of that cohort takes it, while a
+    request of another width waits for bytes; a request whose cohort slot is
+    larger than the whole budget (but whose own cache fits) runs its own Decoder."""
+    model = model_for(models, "llada")
+    cfg = config("dual", dict(unmask="topk"), gen_length=32)          # 32 calls: stays running
+    ids = PROMPTS[0]                                                  # 24 + 32 columns: width 64
+    slot = KVCache.full_nbytes(4, 1, 4, 64, 32, torch.float32)
+    engine = Engine(model, max_running=8, kv_budget=3 * slot)
+    handles = [engine.submit(Request(ids, cfg, 32), lambda e: None) for _ in range(4)]
+    wide = engine.submit(Request(PROMPTS[6], cfg, 32), lambda e: None)   # 46 + 32: width 96
+    engine.tick()
+    assert engine.running == 3 and engine.queued == 2 and engine.kv_bytes_reserved == 3 * slot
+    handles[1].cancel()
+    engine.tick()
+    assert engine.running == 3 and engine.kv_bytes_reserved == 3 * slot == engine.kv_bytes_in_use()
+    assert not handles[3].done() and engine.queued == 1               # joined the idle slot
+    assert not wide.done()                                            # no bytes for a new width
+    for h in handles + [wide]:
+        h.cancel()
+    engine.tick()
+    assert engine.running == 0 and engine.kv_bytes_reserved == 0
+    # own cache 56 columns, its cohort's slot 64: a budget in between runs it alone
+    own = KVCache.full_nbytes(4, 1, 4, len(ids) + 32, 32, torch.float32)
+    engine = Engine(model, kv_budget=own)
+    h = engine.submit(Request(ids, cfg, 32), lambda e: None)
+    engine.tick()
+    assert engine._running[0].decoder is not None and not engine._stacks
+    while engine.tick():
+        pass
+    assert list(h.outcome.token_ids) == generate(model, [ids], cfg).sequences[0]
