@@ -131,7 +131,9 @@ def test_stacked_rows_answer_what_generate_answers_alone_on_cuda(models, arch, d
 @pytest.mark.parametrize("arch", list(STACKING))
 def test_stacked_logits_are_bitwise_the_single_calls(models, arch):
     """At every call, each row's logits in the stacked part of a fused call equal
-    ``model.step`` of that request's own Decoder, bit for bit."""
+    ``model.step`` of that request's own Decoder, bit for bit; so do those of a
+    single decoder's part after it in the same call (its tokens follow the
+    cohort's real tokens in the packing)."""
     model = model_for(models, arch)
     method, reveal = STACKING[arch][0][:2]
     prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[3]]          # 24, 46, 18 tokens
@@ -142,6 +144,7 @@ def test_stacked_logits_are_bitwise_the_single_calls(models, arch):
     for i, (p, c) in enumerate(zip(prompts, cfgs)):
         stack.add(i, p, c)
         singles.append(Decoder(model, [p], c))
+    after, after_alone = (Decoder(model, [PROMPTS[7]], cfgs[1]) for _ in range(2))
     calls = 0
     while True:
         over = stack.ready()
@@ -150,8 +153,20 @@ def test_stacked_logits_are_bitwise_the_single_calls(models, arch):
         if not stack.rows:
             break
         call = stack.begin_call()
-        out = fused_step(model, [call])[0]
-        assert not isinstance(out, Exception), out
+        parts = [call]
+        if after.ready():
+            pending = after.begin_call()
+            parts.append(RowCall.of(after, pending))
+        outs = fused_step(model, parts)
+        out = outs[0]
+        assert not any(isinstance(o, Exception) for o in outs), outs
+        if len(parts) == 2:
+            assert after_alone.ready()
+            own = after_alone.begin_call()
+            want = model.step(after_alone.state.x, own.plan, after_alone.state.cache)
+            assert torch.equal(outs[1], want), (arch, calls, "the part after the cohort")
+            after_alone.end_call(own, want)
+            after.end_call(pending, outs[1])
         for r, row in enumerate(stack.rows):
             dec = singles[row.owner]
             assert dec.ready()
@@ -299,3 +314,26 @@ def test_the_budget_counts_whole_slabs_and_reuses_idle_slots(models):
     while engine.tick():
         pass
     assert list(h.outcome.token_ids) == generate(model, [ids], cfg).sequences[0]
+
+
+def test_eos_in_a_prompt_or_as_the_padding_does_not_end_a_row():
+    """The EOS stop reads each row's own generated region: an EOS inside a longer
+    prompt (past a shorter row's region start), or a pad id equal to EOS filling
+    the columns past a row's canvas, must not stop the row."""
+    import dataclasses
+    model = load("tiny-llada", dtype=torch.float32)
+    model.config = dataclasses.replace(model.config, pad_id=model.config.eos_id)
+    eos = model.config.eos_id
+    short = PROMPTS[3]                                        # 18 tokens
+    long = list(PROMPTS[0])                                   # 24 tokens, an EOS at column 20
+    long[20] = eos
+    cfg = config("dual", dict(unmask="topk"), gen_length=16)  # widths: 34 and 40 columns, both 64
+    engine = Engine(model)
+    handles = [engine.submit(Request(ids, cfg, 16), lambda e: None) for ids in (short, long)]
+    for _ in range(100):
+        if not engine.tick():
+            break
+    for h, ids in zip(handles, (short, long)):
+        alone = generate(model, [ids], cfg)
+        assert list(h.outcome.token_ids) == alone.sequences[0]
+        assert h.outcome.stats["nfe"] == alone.stats["nfe"] == 16
