@@ -120,7 +120,6 @@ def commit_tokens(state: DecodeState, plan: StepPlan, logits, rule: RevealRule,
     B, T = state.x.shape
     s, e = state.block_start, state.block_end
     n = e - s
-    P, V = logits.shape[1], logits.shape[2]
     pos, in_block = _block_positions(state, plan)
     has = _rows_to_block(in_block, pos, in_block, n, False)          # [B, n]
     cand = state.block_candidates()                                # [B, n]
@@ -128,6 +127,26 @@ def commit_tokens(state: DecodeState, plan: StepPlan, logits, rule: RevealRule,
         cand = cand & has  # d²Cache: a mask this call did not predict is not its candidate
     elif bool((cand & ~has).any()):
         raise DecodeError("the policy's plan has no logits for a candidate")
+    token, score, uniform = block_scores(state, logits, pos, in_block, cand, rule, sampling)
+    region = state.x[:, state.gen_start:] != state.mask_id
+    commit = rule.select(RevealCall(score, cand, state.step, uniform, region, s - state.gen_start)) & cand
+    block = state.x[:, s:e]
+    state.x[:, s:e] = torch.where(commit, token, block)
+    full = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)
+    full[:, s:e] = commit
+    return full
+
+
+def block_scores(state, logits: torch.Tensor, pos: torch.Tensor, in_block: torch.Tensor,
+                 cand: torch.Tensor, rule: RevealRule, sampling: Sampling):
+    """Each block position's token and ranking score ``[B, n]`` from the call's
+    ``[B, P, V]`` logits rows (``pos`` / ``in_block``: where each row predicts, as
+    ``_block_positions`` gives them; ``cand [B, n]``: the rows' candidates), and
+    the uniform draws ``[B, n]`` when the rule or the remasking draws (else None).
+    ``state`` gives ``mask_id`` and receives ``last_scores``; rows are independent,
+    so the server's stacked decodes (rows at different blocks) use it as is."""
+    B, P, V = logits.shape
+    n = cand.shape[1]
     # Random draws, per row from the row's own generator, only for rows that
     # decode this call: a row's stream is the one it would consume alone.
     # (A greedy decode draws nothing and does not read the rows back.)
@@ -139,19 +158,13 @@ def commit_tokens(state: DecodeState, plan: StepPlan, logits, rule: RevealRule,
         noise = _gumbel_noise_rows(sampling.generators, drawing, pos, in_block, n, V, logits.device)
     uniform = None
     if draws_uniform:
-        uniform = _uniform_draws(sampling.generators, drawing, B, n, state.x.device)
+        uniform = _uniform_draws(sampling.generators, drawing, B, n, cand.device)
     token, score = _row_scores(state, logits, rule.mode, sampling, noise)
     token = _rows_to_block(token.view(B, P), pos, in_block, n, state.mask_id)
     score = _rows_to_block(score.view(B, P), pos, in_block, n, 0.0)
     if sampling.remasking == "random":
         score = uniform
-    region = state.x[:, state.gen_start:] != state.mask_id
-    commit = rule.select(RevealCall(score, cand, state.step, uniform, region, s - state.gen_start)) & cand
-    block = state.x[:, s:e]
-    state.x[:, s:e] = torch.where(commit, token, block)
-    full = torch.zeros((B, T), dtype=torch.bool, device=state.x.device)
-    full[:, s:e] = commit
-    return full
+    return token, score, uniform
 
 
 def _row_scores(state: DecodeState, logits, mode: str, sampling: Sampling,

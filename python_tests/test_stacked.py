@@ -31,9 +31,13 @@ PROMPTS = [list(p.prompt_ids) for t in ("add", "scan", "sub", "lag2") for p in p
 #: with 3 calls per block of 8 commits 3, 3, then 2 tokens: each row's quota is its step's
 STACKING = {
     "llada": [("dual", dict(unmask="threshold", threshold=0.9)), ("prefix", dict(unmask="topk"), 3),
-              ("none", dict(unmask="factor", factor=1.0)), ("dual", dict(unmask="topk"))],
+              ("none", dict(unmask="factor", factor=1.0)),
+              ("dual", dict(unmask="topk", temperature=5.0)),    # Gumbel draws per row (the tiny
+              # models are so sure of their answers that only a high temperature varies them)
+              ("prefix", dict(unmask="threshold", threshold=0.8, remasking="random"))],  # uniform draws
     "dream": [("dual", dict(alg="confidence_threshold", threshold=0.9)),
-              ("prefix", dict(alg="confidence_threshold", threshold=0.7))],
+              ("prefix", dict(alg="confidence_threshold", threshold=0.7, temperature=3.0, top_p=0.95,
+                              top_k=12))],
 }
 
 
@@ -73,6 +77,7 @@ def stacked_schedule(model, method, reveal, steps_per_block=None):
 
     def submit(name, prompt, gen_length):
         cfg = config(method, reveal, gen_length=gen_length, steps_per_block=steps_per_block)
+        cfg = cfg.replace(shape=cfg.shape.replace(seed=prompt))    # each its own stream when it samples
         events = []
         handles[name] = engine.submit(Request(PROMPTS[prompt], cfg, gen_length, request_id=name),
                                       events.append)
@@ -196,15 +201,17 @@ def test_what_stacks_and_what_runs_its_own_decoder(models):
     own = [dict(cache=dict(method="d2cache")),
            dict(cache=dict(method="dual"), reuse=dict(method="kv", rho=0.5)),
            dict(cache=dict(method="dual"), storage=dict(method="kivi", bits=4)),
-           dict(cache=dict(method="dual"), reveal=dict(temperature=0.5)),
            dict(cache=dict(method="dual"), reveal=dict(unmask="threshold", prior_sigma=3.0)),
-           dict(cache=dict(method="dual"), reveal=dict(remasking="random")),
            {**stacks, "time_layers": True}]
     for tree in own:
         assert cohort_key(llada, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
+    # sampling settings are part of the cohort, not a reason to run alone
+    sampled = DecodeConfig.from_dict({**base, **stacks, "reveal": dict(unmask="threshold", temperature=0.5)})
+    assert cohort_key(llada, sampled, 20) not in (None, key)
+    assert cohort_key(llada, sampled.replace(shape=sampled.shape.replace(seed=3)), 20) == \
+        cohort_key(llada, sampled, 20)
     dream_own = [dict(cache=dict(method="none"), reveal=dict(alg="confidence_threshold")),
-                 dict(cache=dict(method="dual"), reveal=dict(alg="entropy")),
-                 dict(cache=dict(method="dual"), reveal=dict(alg="confidence_threshold", top_p=0.9))]
+                 dict(cache=dict(method="dual"), reveal=dict(alg="entropy"))]
     for tree in dream_own:
         assert cohort_key(dream, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
     assert cohort_key(dream, DecodeConfig.from_dict(

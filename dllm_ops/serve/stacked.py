@@ -14,20 +14,22 @@ call of that block, and every step of a call runs once over all the rows:
   (dllm_ops/serve/fused.py), i.e. one embedding gather, one K/V write and one
   attention launch per layer over the ``[R, Q_max]`` plan (−1 pads run no
   token-row GEMM: the fused call packs only real tokens);
-- the commit: one ``token_confidence`` over every row's logits, the reveal
+- the commit: one ``token_confidence`` over every row's logits (each row's
+  random draws from its own generator when the cohort samples), the reveal
   rule's :meth:`~dllm_ops.reveal.RevealRule.select_rows` with each row's own
   step, one scatter; the EOS stop over every row's region.
 
 **Cohorts** (:func:`cohort_key`): requests whose decodes run the same code
 with the same constants: a cache method whose plan is a function of a row's
 block bounds alone (``none``, ``prefix``, ``dual``), full-precision storage,
-no per-layer reuse, greedy decoding with a rule that ``stacks`` (LLaDA's
+no per-layer reuse, no certainty prior, a rule that ``stacks`` (LLaDA's
 ``topk`` / ``threshold`` / ``factor``, Dream's ``confidence_threshold`` with a
-cache), the same block length, steps per block, reveal settings and EOS
-stop, and a canvas of the same **width** (prompt + region rounded up to
+cache), the same block length, steps per block, reveal settings (sampling
+temperature, remasking, Dream's top-p / top-k included) and EOS stop, and a canvas of the same **width** (prompt + region rounded up to
 :data:`WIDTH_STEP` columns; a row's columns past its own length are invalid
 keys). Prompts, regions (``max_tokens``) and seeds differ freely within a
-cohort. Every other request runs its own Decoder; cohorts and decoders still
+cohort; each row draws from its own generator seeded with its request's
+seed, exactly the stream it draws alone. Every other request runs its own Decoder; cohorts and decoders still
 share each model call's GEMMs.
 
 **Invariance.** A row answers exactly what it answers alone: its plan holds
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..commit import _row_scores, _rows_to_block, fill_rows_ended_at_eos
+from ..commit import _rows_to_block, block_scores, fill_rows_ended_at_eos
 from ..config import DecodeConfig
 from ..decode import call_flops, make_sampling
 from ..errors import DecodeError
@@ -76,13 +78,11 @@ def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tup
     when it runs its own Decoder (see the module docstring)."""
     r, shape = config.reveal, config.shape
     if (config.cache.method not in STACKED_CACHES or config.reuse.method != "none"
-            or config.storage.method != "full" or config.time_layers
-            or r.temperature != 0 or r.prior_sigma or r.remasking != "low_confidence"):
+            or config.storage.method != "full" or config.time_layers or r.prior_sigma):
         return None
     if model.config.arch == "dream":
-        if config.cache.method == "none" or r.alg != "confidence_threshold" or r.top_k is not None \
-                or (r.top_p is not None and r.top_p < 1):
-            return None     # Dream's own loop, its top-k quota, or its logit filter
+        if config.cache.method == "none" or r.alg != "confidence_threshold":
+            return None     # Dream's own loop, or its top-k quota over each row's masks
     elif r.unmask not in ("topk", "threshold", "factor"):
         return None
     return (config.cache.method, shape.block_length, shape.total_steps // shape.num_blocks,
@@ -127,8 +127,9 @@ class StackedDecodes:
         if not self.rule.stacks:
             raise DecodeError(f"the {self.rule.name!r} rule cannot run stacked")
         self.rule.start_block(torch.zeros((0, self.block_length), dtype=torch.bool))  # every block is L
-        self.sampling = make_sampling(model, config, [])
-        self.mask_id, self.last_scores = c.mask_id, None     # what _row_scores reads and writes
+        self.generators: list[torch.Generator] = []           # one per row, in row order
+        self.sampling = make_sampling(model, config, self.generators)
+        self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
         self._cols = torch.arange(width, device=model.device)
         self._allocate(0)
@@ -168,6 +169,7 @@ class StackedDecodes:
         self.active[n] = True
         for t in (*self.k, *self.v):
             t[n].zero_()
+        self.generators.append(torch.Generator(device="cpu").manual_seed(config.shape.seed))
         self.rows.append(StackedRow(owner, P, G, config.shape.blocks_to_decode))
 
     def remove(self, owner) -> None:
@@ -178,7 +180,9 @@ class StackedDecodes:
             for t in (self.x, self.key_valid, self.positions, self.active, *self.k, *self.v):
                 t[r] = t[last]
             self.rows[r] = self.rows[last]
+            self.generators[r] = self.generators[last]
         self.rows.pop()
+        self.generators.pop()
         if not self.rows:
             self._allocate(0)
 
@@ -278,10 +282,7 @@ class StackedDecodes:
         cand = (block == self.mask_id) & self.active[:n, None]
         if bool((cand & ~has).any()):
             raise DecodeError("the stacked plan has no logits for a candidate")
-        P = logits.shape[1]
-        token, score = _row_scores(self, logits, self.rule.mode, self.sampling, None)
-        token = _rows_to_block(token.view(n, P), pos, in_block, L, self.mask_id)
-        score = _rows_to_block(score.view(n, P), pos, in_block, L, 0.0)
+        token, score, _ = block_scores(self, logits, pos, in_block, cand, self.rule, self.sampling)
         commit = self.rule.select_rows(score, cand, [r.step for r in self.rows]) & cand
         x.scatter_(1, cols, torch.where(commit, token, block))
         counts = torch.stack([(plan.idx >= 0).sum(1), (plan.logits_idx >= 0).sum(1)]).tolist()
