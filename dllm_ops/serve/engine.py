@@ -3,7 +3,7 @@
 One loop owns the model and runs one model call at a time (:meth:`Engine.tick`)
 over every running sequence. A request whose configuration stacks
 (dllm_ops/serve/stacked.py: ``none`` / ``prefix`` / ``dual``, full storage,
-no reuse, greedy with a stacking reveal rule) is a row of its cohort's
+no reuse, a reveal rule that stacks) is a row of its cohort's
 :class:`~dllm_ops.serve.stacked.StackedDecodes`, whose plan, K/V write,
 attention and commit run once per call for all its rows; any other request
 is its own B=1 :class:`dllm_ops.decode.Decoder`. A tick
