@@ -1,10 +1,12 @@
 """One model call over many decodes: the forward of the server's continuous batching.
 
-Each running request is its own B=1 :class:`dllm_ops.decode.Decoder`, with its
-own canvas, KV cache (full or packed), policy, DARE state and reveal rule. One
-engine tick runs ``begin_call`` on every ready decoder, then one
-:func:`fused_step` over all of their rows, then ``end_call`` on each with its
-own logits rows. :func:`fused_step` runs the pieces of ``DiffusionLM.step``
+Each part of a call is a running request's own B=1
+:class:`dllm_ops.decode.Decoder` (its own canvas, KV cache, full or packed,
+policy, DARE state and reveal rule) or a cohort of stacked requests
+(dllm_ops/serve/stacked.py: B rows of one canvas and one K/V slab, whose
+``[B, Q]`` plan pads the rows that run fewer tokens with −1). One engine tick
+runs ``begin_call`` on every ready part, then one :func:`fused_step` over all
+of their rows, then ``end_call`` on each with its own logits rows. :func:`fused_step` runs the pieces of ``DiffusionLM.step``
 (``embed_tokens``, ``layer_call``, ``run_layers``, ``logit_rows``,
 ``logits_at``), split in two kinds:
 
