@@ -344,3 +344,21 @@ def test_eos_in_a_prompt_or_as_the_padding_does_not_end_a_row():
         alone = generate(model, [ids], cfg)
         assert list(h.outcome.token_ids) == alone.sequences[0]
         assert h.outcome.stats["nfe"] == alone.stats["nfe"] == 16
+
+
+def test_metrics_count_stacked_rows_and_cohorts(models):
+    model = model_for(models, "llada")
+    engine = Engine(model)
+    one = config("dual", dict(unmask="topk"))
+    other = config("dual", dict(unmask="topk"), block_length=16)            # another cohort
+    alone = config("dual", dict(unmask="topk")).replace(reuse=DecodeConfig.from_dict(
+        dict(reuse=dict(method="kv", rho=0.5))).reuse)                      # its own Decoder
+    for ids, cfg in ((PROMPTS[0], one), (PROMPTS[1], one), (PROMPTS[2], other), (PROMPTS[3], alone)):
+        engine.submit(Request(ids, cfg, 16), lambda e: None)
+    engine.tick()
+    m = engine.metrics
+    assert m.value("dllm_running_sequences") == 4
+    assert m.value("dllm_stacked_sequences") == 3 and m.value("dllm_cohorts") == 2
+    while engine.tick():
+        pass
+    assert m.value("dllm_stacked_sequences") == 0 and m.value("dllm_cohorts") == 0

@@ -485,6 +485,8 @@ class Engine:
         m = self.metrics
         m.queue_depth.set(len(self._queue))
         m.running.set(len(self._running))
+        m.stacked.set(sum(len(st.rows) for st in self._stacks.values()))
+        m.cohorts.set(len(self._stacks))
         m.kv_bytes_reserved.set(self.kv_bytes_reserved)
         m.kv_bytes_in_use.set(self.kv_bytes_in_use())
 

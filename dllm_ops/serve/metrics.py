@@ -29,6 +29,10 @@ class ServerMetrics:
                                 ["status"], registry=r)
         self.queue_depth = Gauge("dllm_queue_depth", "Requests waiting for admission", registry=r)
         self.running = Gauge("dllm_running_sequences", "Sequences decoding", registry=r)
+        self.stacked = Gauge("dllm_stacked_sequences",
+                             "Running sequences that are rows of a stacked cohort", registry=r)
+        self.cohorts = Gauge("dllm_cohorts", "Stacked cohorts running (one decode state each)",
+                             registry=r)
         self.generated_tokens = Counter("dllm_generated_tokens",
                                         "Answer tokens committed (streamed prefix growth)", registry=r)
         self.model_calls = Counter("dllm_model_calls", "Batched model calls", registry=r)
@@ -43,8 +47,9 @@ class ServerMetrics:
         self.kv_bytes_in_use = Gauge("dllm_kv_bytes_in_use",
                                      "KV-cache bytes the running sequences hold now", registry=r)
         self.kv_bytes_reserved = Gauge("dllm_kv_bytes_reserved",
-                                       "Peak KV-cache bytes reserved by the running sequences "
-                                       "(what admission counts against --kv-budget)", registry=r)
+                                       "KV-cache bytes reserved by the running sequences: each "
+                                       "single decoder's peak and each cohort's whole slab (what "
+                                       "admission counts against --kv-budget)", registry=r)
 
     def value(self, name: str, **labels) -> float:
         """A sample's current value (0 when the series has none yet), e.g.
