@@ -13,7 +13,9 @@ call of that block, and every step of a call runs once over all the rows:
 - the model call: one part of the engine's fused call
   (dllm_ops/serve/fused.py), i.e. one embedding gather, one K/V write and one
   attention launch per layer over the ``[R, Q_max]`` plan (−1 pads run no
-  token-row GEMM: the fused call packs only real tokens);
+  token-row GEMM: the fused call packs only real tokens); on CUDA, whose
+  attention kernel splits the keys by the launch's shape, each row attends
+  in a launch of its own shapes (:class:`SlabCache`);
 - the commit: one ``token_confidence`` over every row's logits (each row's
   random draws from its own generator when the cohort samples), the reveal
   rule's :meth:`~dllm_ops.reveal.RevealRule.select_rows` with each row's own
@@ -35,9 +37,9 @@ share each model call's GEMMs.
 **Invariance.** A row answers exactly what it answers alone: its plan holds
 the positions its own decode would plan, in the same order; the fused call's
 GEMMs are row-independent (``token_linear``); ``rope_scatter_kv`` writes per
-token; ``sparse_attention`` reads a row's keys only and ignores invalid ones
-bit for bit (the trailing columns and the −1 query rows change no bit of the
-real rows); scoring and the rules are row-independent
+token; ``sparse_attention`` reads a row's keys only and, on the CPU, ignores
+invalid ones bit for bit (the trailing columns and the −1 query rows change no
+bit of the real rows; on CUDA each row attends on its own shapes); scoring and the rules are row-independent
 (python_tests/test_stacked.py checks all of it against ``generate``).
 
 **Memory.** The slab grows one row at a time when a row joins a full slab,
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import ops
 from ..commit import _rows_to_block, block_scores, fill_rows_ended_at_eos
 from ..config import DecodeConfig
 from ..decode import call_flops, make_sampling
@@ -87,6 +90,38 @@ def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tup
         return None
     return (config.cache.method, shape.block_length, shape.total_steps // shape.num_blocks,
             shape.stop_at_eos, r, canvas_width(model, prompt_len + shape.gen_length))
+
+
+@dataclass
+class SlabCache(KVCache):
+    """A cohort's K/V slab (rows ``[0, R)``, ``W`` columns) as one call's cache.
+
+    The K/V write is one ``rope_scatter_kv`` (per token, so any layout gives a
+    row its own bits). Attention is one ``sparse_attention`` over the slab where
+    the kernel's arithmetic for a row does not depend on the launch's shape (the
+    CPU kernels: checked bit for bit with padding queries and trailing invalid
+    keys). CUDA's kernel picks its key split from the launch's shape (the grid
+    it would fill: B, Q, H, T), so there each row attends in a launch of its own
+    on its own queries and columns (``[1, Q_r]`` over ``[1, H_kv, T_r, d]``
+    views), the shapes it has alone (``per_row``: None chooses by device)."""
+    row_lengths: list = field(default_factory=list)   # T_r: each row's canvas columns
+    plan_idx: torch.Tensor | None = None              # the call's [R, Q] plan (real entries first)
+    per_row: bool | None = None
+    _queries: list | None = None                      # Q_r: each row's planned tokens
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, return_probs: bool = False):
+        per_row = self.per_row if self.per_row is not None else q.device.type != "cpu"
+        if not per_row or return_probs:
+            return super().attend(layer, q, scale, return_probs)
+        if self._queries is None:
+            self._queries = (self.plan_idx >= 0).sum(1).tolist()
+        out = torch.zeros_like(q)
+        for r, (Q, T) in enumerate(zip(self._queries, self.row_lengths)):
+            if Q:
+                out[r, :Q] = ops.sparse_attention(q[r:r + 1, :Q], self.k[layer][r:r + 1, :, :T],
+                                                  self.v[layer][r:r + 1, :, :T],
+                                                  self.key_valid[r:r + 1, :T], scale, False)[0][0]
+        return out, q.new_empty(0)
 
 
 @dataclass(eq=False)
@@ -131,6 +166,8 @@ class StackedDecodes:
         self.sampling = make_sampling(model, config, self.generators)
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
+        #: attention per row on its own shapes (None: on CUDA; see SlabCache)
+        self.per_row_attention: bool | None = None
         self._cols = torch.arange(width, device=model.device)
         self._allocate(0)
 
@@ -263,8 +300,10 @@ class StackedDecodes:
             want = torch.roll(want, -1, dims=1)
             want[:, -1] = False
         plan = StepPlan(mask_to_idx(run), mask_to_idx(want & run))
-        cache = KVCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v],
-                        key_valid=self.key_valid[:n], positions=self.positions[:n])
+        cache = SlabCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v],
+                          key_valid=self.key_valid[:n], positions=self.positions[:n],
+                          row_lengths=[r.length for r in self.rows], plan_idx=plan.idx,
+                          per_row=self.per_row_attention)
         return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
 
     def end_call(self, call: RowCall, logits: torch.Tensor) -> None:
