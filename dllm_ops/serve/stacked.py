@@ -111,7 +111,7 @@ class SlabCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, return_probs: bool = False):
         per_row = self.per_row if self.per_row is not None else q.device.type != "cpu"
-        if not per_row or return_probs:
+        if not per_row or return_probs:   # (no cohort kind records attention rows)
             return super().attend(layer, q, scale, return_probs)
         if self._queries is None:
             self._queries = (self.plan_idx >= 0).sum(1).tolist()
