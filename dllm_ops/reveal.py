@@ -231,8 +231,11 @@ class DreamBlockStart(RevealRule):
         start = self._block_start(score, cand)
         if all(first):
             return start
-        later = self.inner.select_rows(score, cand, steps)
-        return torch.where(torch.tensor(first, device=cand.device)[:, None], start, later)
+        first_rows = torch.tensor(first, device=cand.device)[:, None]
+        # the later calls' rule sees no candidate in a block-start row, so it
+        # cannot draw from that row's generator (its stream stays its own)
+        later = self.inner.select_rows(score, cand & ~first_rows, steps)
+        return torch.where(first_rows, start, later)
 
     @staticmethod
     def _block_start(score, cand):
@@ -250,14 +253,19 @@ class DreamBlockTopK(RevealRule):
     """After the block-start commit: Dream's timestep quota over the block's
     remaining ``steps_per_block - 1`` calls, on each row's remaining masks."""
 
+    stacks = True
+
     def __init__(self, mode: str, steps_per_block: int, alg_temp: float | None, generators):
         self.mode, self.name = mode, f"dream-block-{mode}"
         self.steps_per_block = steps_per_block
         self.alg_temp, self.generators = alg_temp, generators
 
     def select(self, call):
+        return self.select_rows(call.score, call.cand, [call.step] * call.cand.shape[0])
+
+    def select_rows(self, score, cand, steps):
         steps_left = max(1, self.steps_per_block - 1)
-        return _dream_topk(call, lambda m: dream_quota(m, call.step - 1, steps_left),
+        return _dream_topk(score, cand, [dream_quota_at(s - 1, steps_left) for s in steps],
                            self.alg_temp, self.generators)
 
 
@@ -276,27 +284,33 @@ class DreamTimestepTopK(RevealRule):
         self.generators = generators
 
     def select(self, call):
-        return _dream_topk(call, lambda m: dream_quota(m, call.step, self.steps_per_block),
+        return _dream_topk(call.score, call.cand,
+                           [dream_quota_at(call.step, self.steps_per_block)] * call.cand.shape[0],
                            self.alg_temp, self.generators)
 
 
-def _dream_topk(call, quota, alg_temp, generators):
-    """Per row, ``quota(n_masks)`` of the masks: the top-scored ones, or with
-    ``alg_temp`` sampled without replacement from ``softmax(score / alg_temp)``
-    (torch.multinomial with the row's generator, float64 on the CPU)."""
-    B, n = call.cand.shape
-    commit = torch.zeros_like(call.cand)
-    k = torch.tensor([quota(int(m)) if int(m) else 0 for m in call.cand.sum(1)])
+def dream_quota_at(step: int, steps: int):
+    """``n_mask -> dream_quota(n_mask, step, steps)``."""
+    return lambda m: dream_quota(m, step, steps)
+
+
+def _dream_topk(score, cand, quotas, alg_temp, generators):
+    """Per row r, ``quotas[r](n_masks)`` of its masks: the top-scored ones, or
+    with ``alg_temp`` sampled without replacement from ``softmax(score /
+    alg_temp)`` (torch.multinomial with the row's generator, float64 on the CPU)."""
+    B, n = cand.shape
+    commit = torch.zeros_like(cand)
+    k = torch.tensor([quota(int(m)) if int(m) else 0 for quota, m in zip(quotas, cand.sum(1))])
     if not alg_temp:
-        return transfer(call.score, call.cand, "topk", k) & call.cand
+        return transfer(score, cand, "topk", k) & cand
     for r in range(B):
         if int(k[r]) <= 0:
             continue
-        score = torch.where(call.cand[r], call.score[r], torch.full_like(call.score[r], float("-inf")))
-        p = torch.softmax(score.double().cpu() / alg_temp, -1)
-        pick = torch.multinomial(p, int(k[r]), generator=generators[r]).to(call.cand.device)
+        row = torch.where(cand[r], score[r], torch.full_like(score[r], float("-inf")))
+        p = torch.softmax(row.double().cpu() / alg_temp, -1)
+        pick = torch.multinomial(p, int(k[r]), generator=generators[r]).to(cand.device)
         commit[r, pick] = True
-    return commit & call.cand
+    return commit & cand
 
 
 class DreamThresholdCarry(RevealRule):

@@ -37,7 +37,9 @@ STACKING = {
               ("prefix", dict(unmask="threshold", threshold=0.8, remasking="random"))],  # uniform draws
     "dream": [("dual", dict(alg="confidence_threshold", threshold=0.9)),
               ("prefix", dict(alg="confidence_threshold", threshold=0.7, temperature=3.0, top_p=0.95,
-                              top_k=12))],
+                              top_k=12)),
+              ("dual", dict()),                                               # Dream's default: entropy
+              ("prefix", dict(alg="maskgit_plus", alg_temp=2.0), 3)],         # positions drawn per row
 }
 
 
@@ -211,11 +213,12 @@ def test_what_stacks_and_what_runs_its_own_decoder(models):
     assert cohort_key(llada, sampled.replace(shape=sampled.shape.replace(seed=3)), 20) == \
         cohort_key(llada, sampled, 20)
     dream_own = [dict(cache=dict(method="none"), reveal=dict(alg="confidence_threshold")),
-                 dict(cache=dict(method="dual"), reveal=dict(alg="entropy"))]
+                 dict(cache=dict(method="none"), reveal=dict(alg="entropy"))]
     for tree in dream_own:
         assert cohort_key(dream, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
-    assert cohort_key(dream, DecodeConfig.from_dict(
-        {**base, "cache": dict(method="dual"), "reveal": dict(alg="confidence_threshold")}), 20) is not None
+    for alg in ("confidence_threshold", "entropy", "maskgit_plus", "topk_margin"):
+        assert cohort_key(dream, DecodeConfig.from_dict(
+            {**base, "cache": dict(method="dual"), "reveal": dict(alg=alg)}), 20) is not None, alg
     # a width never exceeds the model's length limit, nor cuts a canvas
     assert canvas_width(llada, 250) == 256 and canvas_width(llada, 256) == 256
 

@@ -25,8 +25,10 @@ call of that block, and every step of a call runs once over all the rows:
 with the same constants: a cache method whose plan is a function of a row's
 block bounds alone (``none``, ``prefix``, ``dual``), full-precision storage,
 no per-layer reuse, no certainty prior, a rule that ``stacks`` (LLaDA's
-``topk`` / ``threshold`` / ``factor``, Dream's ``confidence_threshold`` with a
-cache), the same block length, steps per block, reveal settings (sampling
+``topk`` / ``threshold`` / ``factor``; Dream's algs with a cache: its block
+loop's block-start commit, then ``confidence_threshold`` or the timestep
+quota of ``entropy`` / ``maskgit_plus`` / ``topk_margin``, each row at its own
+call), the same block length, steps per block, reveal settings (sampling
 temperature, remasking, Dream's top-p / top-k included) and EOS stop, and a canvas of the same **width** (prompt + region rounded up to
 :data:`WIDTH_STEP` columns; a row's columns past its own length are invalid
 keys). Prompts, regions (``max_tokens``) and seeds differ freely within a
@@ -84,8 +86,8 @@ def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tup
             or config.storage.method != "full" or config.time_layers or r.prior_sigma):
         return None
     if model.config.arch == "dream":
-        if config.cache.method == "none" or r.alg != "confidence_threshold":
-            return None     # Dream's own loop, or its top-k quota over each row's masks
+        if config.cache.method == "none":
+            return None     # Dream's own loop (diffusion_generate's schedules)
     elif r.unmask not in ("topk", "threshold", "factor"):
         return None
     return (config.cache.method, shape.block_length, shape.total_steps // shape.num_blocks,
@@ -158,11 +160,11 @@ class StackedDecodes:
         self.model, self.width = model, width
         self.method, self.block_length = config.cache.method, config.shape.block_length
         self.stop_at_eos = config.shape.stop_at_eos
-        self.rule = build_reveal(c.arch, config.reveal, config.shape, self.method, [])
+        self.generators: list[torch.Generator] = []           # one per row, in row order
+        self.rule = build_reveal(c.arch, config.reveal, config.shape, self.method, self.generators)
         if not self.rule.stacks:
             raise DecodeError(f"the {self.rule.name!r} rule cannot run stacked")
         self.rule.start_block(torch.zeros((0, self.block_length), dtype=torch.bool))  # every block is L
-        self.generators: list[torch.Generator] = []           # one per row, in row order
         self.sampling = make_sampling(model, config, self.generators)
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
