@@ -451,6 +451,16 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
                 raise RuntimeError("batched projection fault on purpose")
             return token_linear(linear, x)
         monkeypatch.setattr(fused, "token_linear", refuses_several_rows)
+        token_linears = fused.token_linears          # q, k and v share one call
+
+        def refuses_several_rows_together(linears, x):
+            call = current.get("call")
+            if (call is not None and len(call.alive()) > 1 and x.shape[0] == call.tokens
+                    and any(id(linear) in refused for linear in linears)):
+                raised.append(x.shape[0])
+                raise RuntimeError("batched projection fault on purpose")
+            return token_linears(linears, x)
+        monkeypatch.setattr(fused, "token_linears", refuses_several_rows_together)
     if fault == "batched mlp":
         from dllm_ops.models.transformer import Block
         mlp = Block.mlp
