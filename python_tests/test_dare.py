@@ -291,6 +291,26 @@ def test_drift_floor_is_documented_value():
     assert DRIFT_FLOOR == 1e-5
 
 
+def test_drift_within_rounding_noise_counts_as_zero(ckpts, monkeypatch):
+    """Whether an unchanged query's cosine drift comes out exactly 0 or a few
+    ulps above it depends on the CPU's rounding (exactly 0 on AVX2 here): a
+    drift below DRIFT_FLOOR must count as 0 either way, so the same tokens are
+    reused and decoded."""
+    import dllm_ops.dare as dare
+    model, _ = ckpts["llada"]
+    out, rule = _run(model, PROMPT, "dual", "kv", dict(rho=0.75), **_kw("llada"))
+    cosine_drift = dare.ops.cosine_drift
+
+    def with_noise(q, prev):              # what another CPU's rounding may give
+        drift = cosine_drift(q, prev)
+        return torch.where(drift < 1e-6, drift + DRIFT_FLOOR / 4, drift)
+    monkeypatch.setattr(dare.ops, "cosine_drift", with_noise)
+    noisy, noisy_rule = _run(model, PROMPT, "dual", "kv", dict(rho=0.75), **_kw("llada"))
+    assert torch.equal(noisy.tokens, out.tokens)
+    assert _positions(noisy_rule.log) == _positions(rule.log)
+    assert noisy.stats["dare_reused_with_zero_drift_per_layer"] == out.stats["dare_reused_with_zero_drift_per_layer"]
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(dare="qkv"), r"reuse.method = 'qkv': must be one of \['none', 'kv', 'o'\]"),
     (dict(dare="kv", dare_opts=dict(rho=1.0)), r"reuse.rho = 1.0: must be a number in \[0, 1\)"),

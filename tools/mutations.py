@@ -703,7 +703,7 @@ MUTATIONS = [
              "dllm_ops/dare.py",
              "drift = torch.where(drift < DRIFT_FLOOR, torch.zeros_like(drift), drift)",
              "drift = torch.where(drift < 0.0, torch.zeros_like(drift), drift)",
-             (T_DARE + "test_stats_per_layer[cpu]",),
+             (T_DARE + "test_drift_within_rounding_noise_counts_as_zero[cpu]",),
              "DARE: drift below 1e-5 counts as 0"),
     Mutation("dare-prev-query-recorded",
              "dllm_ops/dare.py",
