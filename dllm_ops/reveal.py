@@ -81,9 +81,10 @@ class RevealRule:
     #: True: the rule needs a per-position uniform draw each call (Dream's origin)
     draws_uniform = False
     #: True: the rule keeps no state but its per-block quota schedule, draws
-    #: nothing, and implements :meth:`select_rows`, so rows that are at
-    #: different calls of their blocks can share one selection (the server's
-    #: stacked decodes, dllm_ops/serve/stacked.py)
+    #: (if at all) from each row's own generator for that row alone, and
+    #: implements :meth:`select_rows`, so rows that are at different calls of
+    #: their blocks can share one selection (the server's stacked decodes,
+    #: dllm_ops/serve/stacked.py)
     stacks = False
 
     def check(self, block_length: int, steps_per_block: int) -> None:
