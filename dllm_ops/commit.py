@@ -60,11 +60,19 @@ def dream_filter_logits(logits: torch.Tensor, temperature: float, top_p: float |
 
 
 def _block_positions(state: DecodeState, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each logits row of the call (``[B, P]``, following ``plan.logits_idx``): the
-    block position it predicts (0 .. n-1) and whether that position is in the block."""
-    shift = 1 if state.model.config.logit_shift else 0  # Dream: row j-1 predicts token j
-    pos = plan.logits_idx + shift - state.block_start
-    in_block = (plan.logits_idx >= 0) & (pos >= 0) & (pos < state.block_end - state.block_start)
+    """:func:`block_positions` of the state's current block."""
+    return block_positions(plan.logits_idx, state.block_start, state.block_end - state.block_start,
+                           state.model.config.logit_shift)
+
+
+def block_positions(logits_idx: torch.Tensor, start, n: int,
+                    logit_shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each logits row of a call (``[B, P]`` canvas positions, −1 pads): the
+    position it predicts in its row's block of ``n`` from column ``start`` (an
+    int, or ``[B, 1]``: each row's own block) and whether that is in the block."""
+    shift = 1 if logit_shift else 0  # Dream: row j-1 predicts token j
+    pos = logits_idx + shift - start
+    in_block = (logits_idx >= 0) & (pos >= 0) & (pos < n)
     return pos, in_block
 
 

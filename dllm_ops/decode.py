@@ -115,6 +115,16 @@ def decode_parts(model: DiffusionLM, ids: list[list[int]], config: DecodeConfig,
     return policy, storage, reuse, rule
 
 
+def up_to_eos(region: list[int], eos_id: int) -> list[int]:
+    """A row's generated ids up to (excluding) its first EOS."""
+    return region[: region.index(eos_id)] if eos_id in region else region
+
+
+def generated_count(sequence: list[int], mask_id: int) -> int:
+    """The tokens a sequence holds (masks left by ``max_blocks`` do not count)."""
+    return sum(1 for t in sequence if t != mask_id)
+
+
 def make_sampling(model: DiffusionLM, config: DecodeConfig, generators,
                   wants_max_prob: bool = False) -> Sampling:
     """How a decode of ``config`` on ``model`` draws and scores tokens (one
@@ -237,10 +247,8 @@ class Decoder:
         """The generated region, per-row sequences (up to EOS), text and stats."""
         s, c = self.state, self.model.config
         tokens = s.x[:, s.gen_start:].cpu()
-        sequences = []
-        for row in tokens.tolist():
-            sequences.append(row[: row.index(c.eos_id)] if c.eos_id in row else row)
-        n_gen = sum(sum(1 for t in q if t != c.mask_id) for q in sequences)  # masks: max_blocks runs
+        sequences = [up_to_eos(row, c.eos_id) for row in tokens.tolist()]
+        n_gen = sum(generated_count(q, c.mask_id) for q in sequences)
         wall = self.wall_s
         stats = DecodeStats(
             nfe=s.nfe, wall_s=wall, generated_tokens=n_gen,

@@ -44,11 +44,10 @@ from typing import Callable
 from ..decode import Decoder
 from ..errors import DllmOpsError, ServeError
 from ..models import DiffusionLM
-from ..plan import KVCache
 from .admission import EngineStopped, QueueFull, check_request
 from .fused import RowCall, fused_step
 from .metrics import ServerMetrics
-from .stacked import StackedDecodes, cohort_key
+from .stacked import StackedDecodes, cohort_key, slot_nbytes
 from .requests import (CANCELLED, INTERNAL_ERROR, STOPPED, TIMED_OUT, Failed, Finished, Progress,
                        Request, committed_answer)
 
@@ -287,13 +286,9 @@ class Engine:
         if not self.stacking:
             return None
         key = cohort_key(self.model, request.config, len(request.prompt_ids))
-        if key is not None and self.kv_budget is not None and self._slot_bytes(key) > self.kv_budget:
+        if key is not None and self.kv_budget is not None and slot_nbytes(self.model, key[-1]) > self.kv_budget:
             return None
         return key
-
-    def _slot_bytes(self, key: tuple) -> int:
-        c = self.model.config
-        return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, key[-1], c.head_dim, self.model.dtype)
 
     def _admit(self) -> None:
         while True:
@@ -304,7 +299,7 @@ class Engine:
                 key = self.cohort_of(seq.request)
                 stack = self._stacks.get(key) if key is not None else None
                 cost = (seq.kv_bytes if key is None else
-                        0 if stack is not None and stack.has_free_slot() else self._slot_bytes(key))
+                        0 if stack is not None and stack.has_free_slot() else slot_nbytes(self.model, key[-1]))
                 if self.kv_budget is not None and self.kv_bytes_reserved + cost > self.kv_budget:
                     return   # first come first served: a large request is not overtaken
                 self._queue.popleft()

@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..commit import _rows_to_block, block_scores, fill_rows_ended_at_eos
+from ..commit import _rows_to_block, block_positions, block_scores, fill_rows_ended_at_eos
 from ..config import DecodeConfig
-from ..decode import call_flops, make_sampling
+from ..decode import call_flops, generated_count, make_sampling, up_to_eos
 from ..errors import DecodeError
 from ..models import DiffusionLM
 from ..plan import KVCache, StepPlan, mask_to_idx
@@ -76,6 +76,12 @@ def canvas_width(model: DiffusionLM, length: int) -> int:
     """The width of the cohort a canvas of ``length`` columns joins."""
     width = -(-length // WIDTH_STEP) * WIDTH_STEP
     return max(length, min(width, model.config.max_seq_len))
+
+
+def slot_nbytes(model: DiffusionLM, width: int) -> int:
+    """Bytes one row's slot of a cohort of ``width`` columns holds (K and V, every layer)."""
+    c = model.config
+    return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, width, c.head_dim, model.dtype)
 
 
 def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tuple | None:
@@ -240,8 +246,7 @@ class StackedDecodes:
 
     def row_nbytes(self) -> int:
         """Bytes one more slot adds to the slab."""
-        c = self.model.config
-        return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, self.width, c.head_dim, self.model.dtype)
+        return slot_nbytes(self.model, self.width)
 
     def has_free_slot(self) -> bool:
         return len(self.rows) < self.x.shape[0]
@@ -254,9 +259,9 @@ class StackedDecodes:
         """``[R, L]`` each row's block columns."""
         return starts[:, None] + self._cols[:self.block_length]
 
-    def _block_candidates(self, cols: torch.Tensor) -> torch.Tensor:
-        n = len(self.rows)
-        return (self.x[:n].gather(1, cols) == self.mask_id) & self.active[:n, None]
+    def _block_candidates(self, block: torch.Tensor) -> torch.Tensor:
+        """``[R, L]`` the masks of each row's block tokens ``block`` (its active rows')."""
+        return (block == self.mask_id) & self.active[:len(self.rows), None]
 
     def ready(self) -> list:
         """Open each row's next block where its block has no candidate left (a
@@ -264,7 +269,8 @@ class StackedDecodes:
         over (their last block done, or stopped at EOS)."""
         if not self.rows:
             return []
-        has = self._block_candidates(self._block_columns(self._block_starts())).any(1).tolist()
+        cols = self._block_columns(self._block_starts())
+        has = self._block_candidates(self.x[:len(self.rows)].gather(1, cols)).any(1).tolist()
         over = []
         for i, row in enumerate(self.rows):
             if row.blocks_decoded and has[i]:
@@ -314,13 +320,11 @@ class StackedDecodes:
         n, L, plan = len(self.rows), self.block_length, call.plan
         x = self.x[:n]
         starts = self._block_starts()
-        shift = 1 if self.model.config.logit_shift else 0
-        pos = plan.logits_idx + shift - starts[:, None]
-        in_block = (plan.logits_idx >= 0) & (pos >= 0) & (pos < L)
+        pos, in_block = block_positions(plan.logits_idx, starts[:, None], L, self.model.config.logit_shift)
         has = _rows_to_block(in_block, pos, in_block, L, False)
         cols = self._block_columns(starts)
         block = x.gather(1, cols)
-        cand = (block == self.mask_id) & self.active[:n, None]
+        cand = self._block_candidates(block)
         if bool((cand & ~has).any()):
             raise DecodeError("the stacked plan has no logits for a candidate")
         token, score, _ = block_scores(self, logits, pos, in_block, cand, self.rule, self.sampling)
@@ -351,9 +355,8 @@ class StackedDecodes:
         """The row's decode counts, as ``Decoder.result().stats`` would give them alone."""
         i = self.index(owner)
         row, c = self.rows[i], self.model.config
-        region = self.x[i, row.prompt_len:row.length].tolist()
-        text = region[: region.index(c.eos_id)] if c.eos_id in region else region
-        n_gen = sum(1 for t in text if t != c.mask_id)
+        n_gen = generated_count(up_to_eos(self.x[i, row.prompt_len:row.length].tolist(), c.eos_id),
+                                c.mask_id)
         wall = row.wall_s
         return DecodeStats(
             nfe=row.nfe, wall_s=wall, generated_tokens=n_gen,
