@@ -33,7 +33,8 @@ TORCH_LIBRARY(dllm, m) {
   m.def("rope_scatter_kv(Tensor(a!) q, Tensor k, Tensor v, Tensor positions, Tensor cos_sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor idx) -> ()");
   m.def("sparse_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? key_valid, "
-        "float scale, bool return_probs=False) -> (Tensor out, Tensor probs_mean)");
+        "float scale, bool return_probs=False, int[]? query_counts=None, "
+        "int[]? key_counts=None) -> (Tensor out, Tensor probs_mean)");
   m.def("gather_rows(Tensor x, Tensor idx) -> Tensor");
   m.def("scatter_rows(Tensor(a!) dst, Tensor src, Tensor idx) -> ()");
   // ---- family: rollout ------------------------------------------------------

@@ -98,7 +98,8 @@ def _rope_scatter_kv_fake(q, k, v, positions, cos_sin, k_cache, v_cache, idx):
 
 
 @torch.library.register_fake("dllm::sparse_attention")
-def _sparse_attention_fake(q, k_cache, v_cache, key_valid, scale, return_probs=False):
+def _sparse_attention_fake(q, k_cache, v_cache, key_valid, scale, return_probs=False,
+                           query_counts=None, key_counts=None):
     torch._check(q.dim() == 4 and k_cache.dim() == 4,
                  lambda: "dllm::sparse_attention: q and k_cache must have 4 dims")
     torch._check(q.dtype == k_cache.dtype == v_cache.dtype,

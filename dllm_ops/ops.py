@@ -5,6 +5,8 @@ registered op, so `torch.compile`, fake tensors and opcheck see the real op.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["cosine_drift", "has_cuda_kernels"]
@@ -362,7 +364,8 @@ def rope_scatter_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      key_valid: torch.Tensor | None, scale: float,
-                     return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     return_probs: bool = False, query_counts: Sequence[int] | None = None,
+                     key_counts: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of Q selected queries over all T cached keys.
 
     ``out[b, j, h] = softmax_t(scale * q[b, j, h] . k_cache[b, h // G, t]) @
@@ -375,6 +378,19 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         key_valid: ``[B, T]`` bool or None (every key valid).
         scale: score multiplier, usually ``d ** -0.5``.
         return_probs: also return the head-averaged probabilities.
+        query_counts, key_counts: per batch row, how many of its queries and
+            keys it has (each list B ints in ``[0, Q]`` / ``[0, T]``; None:
+            all). Row ``b`` then attends with ``q[b, :query_counts[b]]`` over
+            keys ``[0, key_counts[b])`` only (what lies past them is never
+            read, NaN included), ``out[b, query_counts[b]:] == 0``, and its
+            outputs are **bit for bit** those of a call on that row alone
+            (``q[b:b+1, :n]`` over ``k_cache[b:b+1, :, :t]``) on every
+            backend, whatever the other rows hold: ragged rows of unrelated
+            decodes share one launch (the server's stacked cohorts) and each
+            gets its own answer. Not with ``return_probs``. On CUDA each row
+            keeps the key split its own call would pick (below), and the
+            plans travel to the device through pinned memory without a sync
+            (not under CUDA graph capture).
 
     Returns:
         ``(out, probs_mean)``: ``out [B, Q, H, d]`` in q's dtype; with
@@ -419,7 +435,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp32 sums (the same error bounds hold); the probabilities are normalised
     with the merged (max, sum), so ``return_probs`` (d2cache) splits too. As
     the choice depends on B, a row's output can differ in the last bits
-    between a batched and a single call. ``DLLM_ATTN_SM_COUNT`` (run time)
+    between a batched and a single call (unless the call gives per-row counts). ``DLLM_ATTN_SM_COUNT`` (run time)
     overrides the SM count the rule plans for (0: never split); the
     simulated kernels (``torch.ops.dllm_sim``) plan for 0 SMs unless it is set.
     Nothing of this was timed (no GPU at hand): the target of two blocks per
@@ -435,8 +451,10 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # block-start refresh would change the contract (SDPA gives NaN for a
     # row without valid keys, a non-contiguous output, a converted mask) for
     # a CPU-only gain at Q ~ T, so the op always runs its own kernel.
-    return torch.ops.dllm.sparse_attention.default(q, k_cache, v_cache, key_valid, float(scale),
-                                                   bool(return_probs))
+    return torch.ops.dllm.sparse_attention.default(
+        q, k_cache, v_cache, key_valid, float(scale), bool(return_probs),
+        None if query_counts is None else [int(n) for n in query_counts],
+        None if key_counts is None else [int(t) for t in key_counts])
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -640,6 +658,19 @@ def two_source_attention(q: torch.Tensor, k: PackedK, v: PackedV,
         full_valid: ``[B, Tf]`` bool or None.
         scale: score multiplier, usually ``d ** -0.5``.
         return_probs: also return the head-averaged probabilities.
+        query_counts, key_counts: per batch row, how many of its queries and
+            keys it has (each list B ints in ``[0, Q]`` / ``[0, T]``; None:
+            all). Row ``b`` then attends with ``q[b, :query_counts[b]]`` over
+            keys ``[0, key_counts[b])`` only (what lies past them is never
+            read, NaN included), ``out[b, query_counts[b]:] == 0``, and its
+            outputs are **bit for bit** those of a call on that row alone
+            (``q[b:b+1, :n]`` over ``k_cache[b:b+1, :, :t]``) on every
+            backend, whatever the other rows hold: ragged rows of unrelated
+            decodes share one launch (the server's stacked cohorts) and each
+            gets its own answer. Not with ``return_probs``. On CUDA each row
+            keeps the key split its own call would pick (below), and the
+            plans travel to the device through pinned memory without a sync
+            (not under CUDA graph capture).
 
     Returns:
         ``(out, probs_mean)``: ``out [B, Q, H, d]`` in q's dtype (zeros for a

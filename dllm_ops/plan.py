@@ -54,14 +54,23 @@ def mask_to_idx(mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool -> ``[B, max count]`` ascending positions, −1 padded."""
     if mask.shape[0] == 1:
         return mask[0].nonzero().view(1, -1)   # one row: no padding (3 ops, not 13)
+    return mask_to_idx_counts(mask)[0]
+
+
+def mask_to_idx_counts(mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """:func:`mask_to_idx` and each row's count, from the one host read it makes."""
+    if mask.shape[0] == 1:
+        idx = mask_to_idx(mask)
+        return idx, [idx.shape[1]]
     counts = mask.sum(1)
-    width = int(counts.max()) if mask.numel() else 0
+    n = counts.tolist()
+    width = max(n, default=0)
     pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     # Sort key pushes unselected positions to the end while keeping order.
     key = torch.where(mask, pos, pos + mask.shape[1])
     order = key.sort(1).values[:, :width]
     keep = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
-    return torch.where(keep, order, torch.full_like(order, -1))
+    return torch.where(keep, order, torch.full_like(order, -1)), n
 
 
 @dataclass

@@ -287,9 +287,22 @@ def attention_f64(q, k_cache, v_cache, key_valid, scale):
     return out, p
 
 
-def sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs):
+def sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs,
+                     query_counts=None, key_counts=None):
     """``(out in q's dtype, probs_mean [B, Q, T] float32 or empty [0])`` from
-    :func:`attention_f64`; probs averaged over the H query heads."""
+    :func:`attention_f64`; probs averaged over the H query heads. With
+    per-row counts, row b attends with its first ``query_counts[b]`` queries
+    over its first ``key_counts[b]`` keys alone; its other outputs are 0."""
+    if query_counts is not None or key_counts is not None:
+        B, Q, T = q.shape[0], q.shape[1], k_cache.shape[2]
+        out = torch.zeros_like(q)
+        for b in range(B):
+            n, t = (query_counts or [Q] * B)[b], (key_counts or [T] * B)[b]
+            if n and t:
+                valid = None if key_valid is None else key_valid[b:b + 1, :t]
+                out[b, :n] = sparse_attention(q[b:b + 1, :n], k_cache[b:b + 1, :, :t],
+                                              v_cache[b:b + 1, :, :t], valid, scale, False)[0][0]
+        return out, q.new_empty((0,), dtype=torch.float32)
     out, p = attention_f64(q, k_cache, v_cache, key_valid, scale)
     probs = p.mean(dim=1).float() if return_probs else q.new_empty((0,), dtype=torch.float32)
     return out.to(q.dtype), probs

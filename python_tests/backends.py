@@ -56,8 +56,22 @@ def require(backend: str) -> None:
 def op(backend: str, name: str):
     """The callable implementing dllm::<name> on `backend`."""
     require(backend)
-    ns = torch.ops.dllm_sim if backend == "sim" else torch.ops.dllm
-    return getattr(ns, name)
+    if backend == "sim":
+        return _with_dllm_defaults(getattr(torch.ops.dllm_sim, name), name)
+    return getattr(torch.ops.dllm, name)
+
+
+def _with_dllm_defaults(sim_op, name: str):
+    """The simulated op taking dllm::<name>'s defaults: its schema is inferred
+    from the C++ function, which carries no default values, so a test calling
+    it as it calls torch.ops.dllm.<name> would miss the trailing arguments."""
+    args = torch.ops.dllm.__getattr__(name).default._schema.arguments
+
+    def call(*given, **named):
+        rest = [named.pop(a.name, a.default_value) for a in args[len(given):]]
+        assert not named, f"dllm::{name}: unknown arguments {sorted(named)}"
+        return sim_op(*given, *rest)
+    return call
 
 
 def to(backend: str, *tensors):

@@ -529,6 +529,104 @@ def test_sparse_attention_split_kv_path_follows_the_occupancy_rule(monkeypatch, 
     assert torch.equal(run(FORCE_SPLIT_SMS, 200), run(NO_SPLIT_SMS, 200))
 
 
+# ---- sparse_attention with per-row counts ------------------------------------------
+
+def row_count_inputs(dtype, seed=0):
+    """(q, k_cache, v_cache, key_valid, query_counts, key_counts, label): ragged
+    rows in one launch (a row without queries, one with one key, one with all
+    Q and all T), GQA 7, d = 130 (16-key tiles), a strided q and cache, and
+    lengths that make the rows' own key splits differ (T_b across 128-key
+    chunks) when the launch plans for many SMs. Past each row's counts the
+    cache holds NaN and the mask says valid: neither may reach an output."""
+    g = _gen(seed)
+    cases = [((4, 9, 4, 2, 300, 32), [9, 0, 1, 5], [300, 17, 1, 261], "GQA 2, d 32"),
+             ((3, 5, 7, 1, 290, 64), [5, 2, 5], [129, 290, 256], "GQA 7"),
+             ((2, 3, 2, 2, 70, 130), [1, 3], [70, 33], "d 130"),
+             ((3, 6, 4, 4, 257, 16), [6, 6, 3], [257, 130, 128], "d 16")]
+    for (B, Q, H, H_kv, T, d), qn, kn, label in cases:
+        q = _rnd(g, B, H, Q, d, dtype=dtype).transpose(1, 2)        # strided
+        kc = _rnd(g, B, H_kv, T + 2, d, dtype=dtype)[:, :, 1:T + 1]  # strided
+        vc = _rnd(g, B, H_kv, T, d, dtype=dtype)
+        valid = torch.rand(B, T, generator=g) > 0.25
+        for b, t in enumerate(kn):
+            kc[b, :, t:], vc[b, :, t:], valid[b, t:] = float("nan"), float("nan"), True
+        yield q, kc, vc, valid, qn, kn, label
+
+
+@pytest.mark.parametrize("sms", [None, FORCE_SPLIT_SMS, 132], ids=["default", "split", "h200"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_attention_row_counts_give_each_row_its_own_launch(monkeypatch, backend, dtype, sms):
+    """Each row's outputs are those of a call on that row alone (its first
+    query_counts[b] queries over its first key_counts[b] keys) bit for bit,
+    zeros past its queries, within the oracle's bound; NaN past its keys never
+    reaches them. On the kernels, with the key split planned for many SMs or
+    an H200's 132, rows whose own launches split differently share one."""
+    if sms is not None:
+        if backend == "cpu":
+            pytest.skip("the CPU kernel has no key split")
+        plan_for_sms(monkeypatch, sms)
+    f = op(backend, "sparse_attention")
+    for q, kc, vc, valid, qn, kn, label in row_count_inputs(dtype):
+        out = f(*to(backend, q, kc, vc, valid), 0.3, False, qn, kn)[0].cpu()
+        assert out.shape == q.shape and out.dtype == q.dtype, label
+        for b, (n, t) in enumerate(zip(qn, kn)):
+            assert not out[b, n:].any(), (label, b)
+            if n == 0:
+                continue
+            one = (q[b:b + 1, :n], kc[b:b + 1, :, :t], vc[b:b + 1, :, :t], valid[b:b + 1, :t])
+            alone = f(*to(backend, *one), 0.3, False)[0].cpu()
+            assert torch.equal(out[b, :n], alone[0]), (label, b)
+            out64, bound = attention_error_bound(backend, *one, 0.3)
+            assert_within(out[b:b + 1, :n], out64, bound, f"{label} row {b}")
+        assert not out.isnan().any(), label
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_sparse_attention_row_counts_keep_each_rows_own_key_split(monkeypatch, backend):
+    """Why the counts carry each row's own plan: planning for an H200's 132
+    SMs, a row alone (1 query, 200 keys: one pass) and the same row inside a
+    padded batch (more rows, queries and columns: 2 chunks) get other bits;
+    with its counts, the batch gives the row its own launch's bits."""
+    f = op(backend, "sparse_attention")
+    plan_for_sms(monkeypatch, 132)
+    g = _gen(7)
+    H, d, Q, T = 4, 32, 1, 200
+    q1, k1, v1 = _rnd(g, 1, Q, H, d), _rnd(g, 1, H, T, d), _rnd(g, 1, H, T, d)
+    alone = f(*to(backend, q1, k1, v1, None), 0.17, False)[0].cpu()
+    q, k, v = torch.zeros(4, 16, H, d), torch.zeros(4, H, 256, d), torch.zeros(4, H, 256, d)
+    valid = torch.zeros(4, 256, dtype=torch.bool)
+    valid[:, :5] = True
+    q[1, :Q], k[1, :, :T], v[1, :, :T], valid[1, :T] = q1[0], k1[0], v1[0], True
+    batched = f(*to(backend, q, k, v, valid), 0.17, False)[0].cpu()
+    counted = f(*to(backend, q, k, v, valid), 0.17, False, [16, Q, 16, 16], [256, T, 256, 256])[0].cpu()
+    assert not torch.equal(batched[1, :Q], alone[0])      # another key split, other roundings
+    assert torch.allclose(batched[1, :Q], alone[0], atol=1e-6)
+    assert torch.equal(counted[1, :Q], alone[0])
+    assert torch.equal(counted[0], batched[0])            # a row at the whole launch's shape
+
+
+ROW_COUNTS_BAD = [
+    (dict(query_counts=[1]), r"query_counts must hold one count per batch row \(2\), got 1"),
+    (dict(key_counts=[3, 4, 5]), r"key_counts must hold one count per batch row \(2\), got 3"),
+    (dict(query_counts=[1, 3]), r"query_counts\[1\] = 3 must be in \[0, Q = 2\]"),
+    (dict(key_counts=[-1, 5]), r"key_counts\[0\] = -1 must be in \[0, T = 5\]"),
+    (dict(key_counts=[6, 5]), r"key_counts\[0\] = 6 must be in \[0, T = 5\]"),
+    (dict(key_counts=[5, 5], return_probs=True), "query_counts / key_counts do not combine with return_probs"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kw,msg", ROW_COUNTS_BAD)
+def test_sparse_attention_bad_row_counts(backend, kw, msg):
+    f = op(backend, "sparse_attention")
+    kw = dict(kw)
+    rp = kw.pop("return_probs", False)
+    q, kc = torch.randn(2, 2, 2, 16), torch.randn(2, 1, 5, 16)
+    with pytest.raises(RuntimeError, match=rf"dllm::sparse_attention: {msg}"):
+        f(*to(backend, q, kc, kc, None), 0.25, rp, kw.get("query_counts"), kw.get("key_counts"))
+
+
 @pytest.mark.parametrize("value", ["many", "-1", "65537", "12x"])
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_sparse_attention_rejects_a_bad_sm_count(monkeypatch, backend, value):
@@ -604,6 +702,9 @@ def test_sparse_kv_opcheck(backend):
     for q, kc, vc, valid, scale, _ in list(attention_inputs(torch.float32))[:3]:
         for rp in (False, True):
             opcheck(torch.ops.dllm.sparse_attention.default, (*to(backend, q, kc, vc, valid), scale, rp))
+    for q, kc, vc, valid, qn, kn, _ in list(row_count_inputs(torch.float32))[:2]:
+        opcheck(torch.ops.dllm.sparse_attention.default,
+                (*to(backend, q, kc.nan_to_num(), vc.nan_to_num(), valid), 0.3, False, qn, kn))
     for x, idx, _ in list(rows_inputs(torch.float32))[:3]:
         opcheck(torch.ops.dllm.gather_rows.default, to(backend, x, idx))
         src = torch.randn(idx.shape[0], idx.shape[1], x.shape[2])
@@ -727,6 +828,8 @@ def test_sparse_attention_fake_shapes():
         assert out.shape == q.shape and probs.shape == (2, 3, 11) and probs.dtype == torch.float32
         _, probs = torch.ops.dllm.sparse_attention(q, kc, kc, None, 0.5, False)
         assert probs.shape == (0,)
+        out, probs = torch.ops.dllm.sparse_attention(q, kc, kc, None, 0.5, False, [3, 1], [11, 4])
+        assert out.shape == q.shape and probs.shape == (0,)
         assert torch.ops.dllm.gather_rows(torch.empty(2, 9, 5), torch.empty(2, 4, dtype=torch.long)).shape == (2, 4, 5)
 
 

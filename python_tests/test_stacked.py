@@ -12,13 +12,14 @@ import pytest
 pytest.importorskip("prometheus_client")
 import torch
 
+from dllm_ops import ops
 from dllm_ops.config import DecodeConfig
 from dllm_ops.decode import Decoder, generate
 from dllm_ops.models import load
 from dllm_ops.plan import KVCache
 from dllm_ops.serve import Engine, Failed, Finished, Request
 from dllm_ops.serve.fused import RowCall, fused_step
-from dllm_ops.serve.stacked import StackedDecodes, canvas_width, cohort_key
+from dllm_ops.serve.stacked import SlabCache, StackedDecodes, canvas_width, cohort_key
 from dllm_ops.tasks import problems
 from backends import require
 
@@ -368,66 +369,35 @@ def test_metrics_count_stacked_rows_and_cohorts(models):
 
 
 @pytest.mark.parametrize("arch", list(STACKING))
-def test_per_row_attention_gives_the_same_bits(models, arch):
-    """The layout CUDA uses (each row attending in its own launch on its own
-    queries and columns) gives the rows the bits of the one-launch layout the
-    CPU uses, and both are generate's."""
+def test_slab_attention_gives_each_row_its_own_launchs_bits(models, arch, monkeypatch):
+    """The cohort's one attention launch per layer gives each row, call after
+    call, the bits of a launch on its own planned queries over its own canvas
+    columns (what its Decoder alone runs), and zeros past its queries."""
     model = model_for(models, arch)
     method, reveal = STACKING[arch][0][:2]
     cfgs = [config(method, reveal, gen_length=g) for g in (16, 32, 16)]
-    prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[3]]
-    stacks = []
-    for per_row in (False, True):
-        stack = StackedDecodes(model, cfgs[0], width=96)
-        stack.per_row_attention = per_row
-        for i, (p, c) in enumerate(zip(prompts, cfgs)):
-            stack.add(i, p, c)
-        stacks.append(stack)
-    calls = 0
+    stack = StackedDecodes(model, cfgs[0], width=96)
+    for i, p in enumerate([PROMPTS[0], PROMPTS[6], PROMPTS[3]]):
+        stack.add(i, p, cfgs[i])
+    real, launches = SlabCache.attend, []
+
+    def attend(cache, layer, q, scale, return_probs=False):
+        out, probs = real(cache, layer, q, scale, return_probs)
+        assert q.shape[:2] == (len(stack.rows), max(cache.queries))
+        for r, (n, t) in enumerate(zip(cache.queries, cache.row_lengths)):
+            own = ops.sparse_attention(q[r:r + 1, :n], cache.k[layer][r:r + 1, :, :t],
+                                       cache.v[layer][r:r + 1, :, :t], cache.key_valid[r:r + 1, :t],
+                                       scale)[0]
+            assert torch.equal(out[r, :n], own[0]) and not out[r, n:].any(), (layer, r)
+        launches.append(sorted(set(cache.queries)))
+        return out, probs
+    monkeypatch.setattr(SlabCache, "attend", attend)
     while True:
-        outs = []
-        for stack in stacks:
-            for owner in stack.ready():
-                stack.remove(owner)
-            outs.append(None if not stack.rows else (stack.begin_call(),))
-        if outs[0] is None:
-            assert outs[1] is None
+        for owner in stack.ready():
+            stack.remove(owner)
+        if not stack.rows:
             break
-        logits = [fused_step(model, [o[0]])[0] for o in outs]
-        assert torch.equal(logits[0], logits[1]), (arch, calls)
-        for stack, o, lg in zip(stacks, outs, logits):
-            stack.end_call(o[0], lg)
-        calls += 1
-    assert calls >= 3
-
-
-def test_cuda_picks_its_key_split_from_the_launch_shape():
-    """Why CUDA runs a cohort's attention per row: on the simulated CUDA kernel
-    planning for an H200's 132 SMs, a row attending inside a padded batch
-    (more rows, more queries, more columns) can get other bits than alone,
-    while a launch on the row's own queries and columns gets its bits."""
-    import os
-    require("sim")
-    sa = torch.ops.dllm_sim.sparse_attention
-    g = torch.Generator().manual_seed(0)
-    H, d, Q, T = 4, 32, 1, 200
-    q1, k1, v1 = (torch.randn(s, generator=g) for s in ((1, Q, H, d), (1, H, T, d), (1, H, T, d)))
-    old = os.environ.get("DLLM_ATTN_SM_COUNT")
-    os.environ["DLLM_ATTN_SM_COUNT"] = "132"
-    try:
-        alone = sa(q1, k1, v1, torch.ones(1, T, dtype=torch.bool), 0.17, False)[0]
-        q = torch.zeros(4, 16, H, d)
-        k, v = torch.zeros(4, H, 256, d), torch.zeros(4, H, 256, d)
-        valid = torch.zeros(4, 256, dtype=torch.bool)
-        valid[:, :5] = True
-        q[1, :Q], k[1, :, :T], v[1, :, :T], valid[1, :T] = q1[0], k1[0], v1[0], True
-        batched = sa(q, k, v, valid, 0.17, False)[0]
-        own = sa(q[1:2, :Q], k[1:2, :, :T], v[1:2, :, :T], valid[1:2, :T], 0.17, False)[0]
-    finally:
-        if old is None:
-            del os.environ["DLLM_ATTN_SM_COUNT"]
-        else:
-            os.environ["DLLM_ATTN_SM_COUNT"] = old
-    assert not torch.equal(batched[1, :Q], alone[0])       # another key split, other roundings
-    assert torch.allclose(batched[1, :Q], alone[0], atol=1e-6)
-    assert torch.equal(own[0], alone[0])
+        call = stack.begin_call()
+        stack.end_call(call, fused_step(model, [call])[0])
+    assert len(launches) >= 3 * model.config.n_layers
+    assert any(len(qs) > 1 for qs in launches)   # rows of unequal query counts shared a launch

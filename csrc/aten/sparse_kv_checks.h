@@ -144,10 +144,26 @@ inline void check_rope_scatter_kv(const at::Tensor& q, const at::Tensor& k, cons
              "k_cache and v_cache must not share memory");
 }
 
-// sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs)
+// One of sparse_attention's per-row counts (query_counts, key_counts): B
+// values in [0, most].
+inline void check_row_counts(const char* op, const at::OptionalIntArrayRef& counts,
+                             const char* name, int64_t B, int64_t most, const char* dim) {
+  if (!counts.has_value()) return;
+  const at::IntArrayRef c = *counts;
+  DLLM_CHECK(static_cast<int64_t>(c.size()) == B, op, name, " must hold one count per batch row (",
+             B, "), got ", c.size());
+  for (size_t b = 0; b < c.size(); ++b)
+    DLLM_CHECK(c[b] >= 0 && c[b] <= most, op, name, "[", b, "] = ", c[b], " must be in [0, ", dim,
+               " = ", most, "]");
+}
+
+// sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs,
+//                  query_counts, key_counts)
 inline void check_sparse_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache,
-                                   const std::optional<at::Tensor>& key_valid, double scale) {
+                                   const std::optional<at::Tensor>& key_valid, double scale,
+                                   bool return_probs, const at::OptionalIntArrayRef& query_counts,
+                                   const at::OptionalIntArrayRef& key_counts) {
   constexpr const char* op = "sparse_attention";
   check_dim(op, q, "q ([B, Q, H, d])", 4);
   check_dim(op, k_cache, "k_cache ([B, H_kv, T, d])", 4);
@@ -168,6 +184,17 @@ inline void check_sparse_attention(const at::Tensor& q, const at::Tensor& k_cach
                kv.sizes());
     check_same_device(op, q, "q", kv, "key_valid");
   }
+  check_row_counts(op, query_counts, "query_counts", q.size(0), q.size(1), "Q");
+  check_row_counts(op, key_counts, "key_counts", q.size(0), k_cache.size(2), "T");
+  DLLM_CHECK(!return_probs || (!query_counts.has_value() && !key_counts.has_value()), op,
+             "query_counts / key_counts do not combine with return_probs (the per-row counts "
+             "promise each row the outputs of its own launch; probabilities have no such "
+             "promise)");
+}
+
+// The counts of batch row b (the launch's Q and T where a list is absent).
+inline int64_t row_count(const at::OptionalIntArrayRef& counts, int64_t b, int64_t whole) {
+  return counts.has_value() ? (*counts)[b] : whole;
 }
 
 // gather_rows(x, idx) / scatter_rows(dst, src, idx): x, dst [B, T, C]; idx [B, Q].

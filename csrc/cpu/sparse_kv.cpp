@@ -385,40 +385,73 @@ namespace {
 using cpu::AttnScratch;
 using cpu::AttnShape;
 
+// Per batch row b: its queries [0, Q_b) and keys [0, T_b) (query_counts /
+// key_counts; the launch's Q and T without them), its valid keys among those,
+// and its query tile, chosen as a launch of its own [1, Q_b] over T_b keys
+// would choose it: the row then runs the very tiles of that launch, so its
+// outputs are that launch's bit for bit, whatever the other rows hold.
+struct RowExtents {
+  std::vector<int64_t> queries, keys, n_valid, tile;
+  int64_t most_tiles = 0, widest_tile = 0;
+};
+
+RowExtents row_extents(const AttnShape& s, const at::OptionalIntArrayRef& query_counts,
+                       const at::OptionalIntArrayRef& key_counts, const bool* key_valid) {
+  RowExtents e;
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t Qb = row_count(query_counts, b, s.Q), Tb = row_count(key_counts, b, s.T);
+    int64_t n = Tb;
+    if (key_valid) n = std::count(key_valid + b * s.T, key_valid + b * s.T + Tb, true);
+    AttnShape own = s;
+    own.Q = Qb;
+    own.T = Tb;
+    const int64_t Qt = Qb > 0 && Tb > 0 ? cpu::query_tile(own) : 1;
+    e.queries.push_back(Qb);
+    e.keys.push_back(Tb);
+    e.n_valid.push_back(n);
+    e.tile.push_back(Qt);
+    e.most_tiles = std::max(e.most_tiles, (Qb + Qt - 1) / Qt);
+    e.widest_tile = std::max(e.widest_tile, Qt);
+  }
+  return e;
+}
+
 template <typename T_>
 void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, const T_* kc,
-                             const T_* vc, const bool* key_valid, const int64_t* n_valid,
+                             const T_* vc, const bool* key_valid, const RowExtents& e,
                              float scale, T_* out, float* probs) {
-  const int64_t Qt = cpu::query_tile(s);
-  const int64_t n_tiles = (s.Q + Qt - 1) / Qt;
-  const int64_t M = Qt * s.G;
-  auto tile_rows = [&](int64_t tile) { return std::min(Qt, s.Q - tile * Qt); };
-  auto zero_batch = [&](int64_t b, int64_t q0, int64_t Qt_) {
-    // No valid key in this batch row: outputs are zeros.
-    std::fill_n(out + (b * s.Q + q0) * s.H * s.d, Qt_ * s.H * s.d, T_(0));
+  auto zero_rows = [&](int64_t b, int64_t q0, int64_t n) {
+    std::fill_n(out + (b * s.Q + q0) * s.H * s.d, n * s.H * s.d, T_(0));
   };
 
   if (!probs) {
-    // Independent units over (b, kv head, tile).
+    // Independent units over (b, kv head, tile of b's own query tiling).
+    const int64_t n_tiles = std::max<int64_t>(1, e.most_tiles);
     at::parallel_for(0, s.B * s.H_kv * n_tiles, cpu::kGrainOneUnit,
                      [&](int64_t begin, int64_t end) {
-      AttnScratch<T_> w(M, s.T, s.d, /*with_probs=*/false);
+      AttnScratch<T_> w(e.widest_tile * s.G, s.T, s.d, /*with_probs=*/false);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t tile = u % n_tiles, kvh = (u / n_tiles) % s.H_kv, b = u / (n_tiles * s.H_kv);
-        const int64_t q0 = tile * Qt, Qt_ = tile_rows(tile);
-        if (n_valid[b] == 0) {
-          if (kvh == 0) zero_batch(b, q0, Qt_);
+        const int64_t Qb = e.queries[b], Qt = e.tile[b], q0 = tile * Qt;
+        if (tile == 0 && kvh == 0 && Qb < s.Q) zero_rows(b, Qb, s.Q - Qb);  // past the row's queries
+        if (q0 >= Qb) continue;
+        const int64_t Qt_ = std::min(Qt, Qb - q0);
+        if (e.n_valid[b] == 0) {  // no valid key in this batch row: outputs are zeros
+          if (kvh == 0) zero_rows(b, q0, Qt_);
           continue;
         }
+        AttnShape sb = s;  // the launch's Q (row offsets), the row's keys
+        sb.T = e.keys[b];
         const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
-        cpu::attend_tile(isa, s, b, kvh, q0, Qt_, q, kc + (b * s.H_kv + kvh) * s.T * s.d,
+        cpu::attend_tile(isa, sb, b, kvh, q0, Qt_, q, kc + (b * s.H_kv + kvh) * s.T * s.d,
                          vc + (b * s.H_kv + kvh) * s.T * s.d, valid, scale, out, w, nullptr, false);
       }
     });
     return;
   }
 
-  cpu::attend_with_probs<T_>(isa, s, n_valid, out, probs,
+  // (No per-row counts with probabilities: check_sparse_attention.)
+  cpu::attend_with_probs<T_>(isa, s, e.n_valid.data(), out, probs,
                              [&](AttnScratch<T_>& w, int64_t b, int64_t kvh, int64_t q0,
                                  int64_t Qt_, float* acc, bool first_head) {
     const bool* valid = key_valid ? key_valid + b * s.T : nullptr;
@@ -427,12 +460,12 @@ void sparse_attention_kernel(cpu::Isa isa, const AttnShape& s, const T_* q, cons
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q,
-                                                        const at::Tensor& k_cache,
-                                                        const at::Tensor& v_cache,
-                                                        const std::optional<at::Tensor>& key_valid,
-                                                        double scale, bool return_probs) {
-  check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
+std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& key_valid, double scale, bool return_probs,
+    at::OptionalIntArrayRef query_counts, at::OptionalIntArrayRef key_counts) {
+  check_sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs, query_counts,
+                         key_counts);
   const cpu::Isa isa = cpu::active_isa("sparse_attention");
   AttnShape s{q.size(0), q.size(1), q.size(2), k_cache.size(1), 0, k_cache.size(2), q.size(3)};
   s.G = s.H / s.H_kv;
@@ -443,22 +476,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cpu(const at::Tensor& q,
   auto probs = return_probs ? at::empty({s.B, s.Q, s.T}, q.options().dtype(at::kFloat))
                             : at::empty({0}, q.options().dtype(at::kFloat));
   if (s.B == 0 || s.Q == 0) return {out, probs};
-  at::Tensor valid_c, n_valid;
+  at::Tensor valid_c;
   const bool* valid_p = nullptr;
   if (key_valid.has_value()) {
     valid_c = key_valid->contiguous();
     valid_p = valid_c.const_data_ptr<bool>();
-    n_valid = valid_c.sum(1);
-  } else {
-    n_valid = at::full({s.B}, s.T, at::kLong);
   }
-  n_valid = n_valid.to(at::kLong).contiguous();
+  const RowExtents e = row_extents(s, query_counts, key_counts, valid_p);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
     sparse_attention_kernel<scalar_t>(
         isa, s, qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
-        vc.const_data_ptr<scalar_t>(), valid_p, n_valid.const_data_ptr<int64_t>(),
-        static_cast<float>(scale), out.mutable_data_ptr<scalar_t>(),
-        return_probs ? probs.mutable_data_ptr<float>() : nullptr);
+        vc.const_data_ptr<scalar_t>(), valid_p, e, static_cast<float>(scale),
+        out.mutable_data_ptr<scalar_t>(), return_probs ? probs.mutable_data_ptr<float>() : nullptr);
   });
   return {out, probs};
 }

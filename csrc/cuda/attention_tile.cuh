@@ -123,8 +123,17 @@ inline int64_t attention_split_workspace_floats(int64_t splits, int64_t rows, in
   return splits * rows * (d + 2);
 }
 
+// One batch row's own plan (sparse_attention's per-row counts): the launch of
+// its [1, queries] over `keys` keys alone would cut them into `chunks` chunks
+// of chunk_keys keys (attention_row_plan); chunks == 0: nothing to attend.
+struct RowPlan {
+  int queries, keys, chunk_keys, chunks;
+};
+
 // How a launch cuts the keys: grid.x = row_tiles * splits, block x folds keys
 // [chunk * chunk_keys, ...) of row tile x % row_tiles, chunk x / row_tiles.
+// With row_plans, batch row b follows row_plans[b] instead (splits is then
+// the most chunks of any row; a row's blocks past its own chunks do nothing).
 struct KeyChunks {
   int row_tiles;
   int splits;            // 1: one pass over all keys, normalised output
@@ -132,9 +141,16 @@ struct KeyChunks {
   int64_t rows;          // B * Q * H, the workspace's row count
   float* partial_acc;    // [splits, rows, d] unnormalised fp32 accumulators (splits > 1)
   float* partial_state;  // [splits, rows, 2] (m, l) of each chunk (splits > 1)
+  const RowPlan* row_plans = nullptr;  // [B] on the device, or null: the launch's plan
+  int64_t rows_per_batch = 0;          // Q * H: the workspace rows of one batch row
+  int heads = 0;                       // H: a batch row's workspace rows per query
 
   __device__ __forceinline__ int row_tile() const { return blockIdx.x % row_tiles; }
   __device__ __forceinline__ int chunk() const { return blockIdx.x / row_tiles; }
+  // Chunks batch row b is cut into (1: its output is stored normalised).
+  __device__ __forceinline__ int chunks_of(int64_t b) const {
+    return row_plans ? row_plans[b].chunks : splits;
+  }
   __device__ __forceinline__ int key_begin() const { return chunk() * chunk_keys; }
   __device__ __forceinline__ int key_end(int T) const {
     const int t0 = key_begin();
@@ -155,6 +171,38 @@ inline KeyChunks attn_key_chunks(int B, int Q, int H, int H_kv, int T, int d, in
   return KeyChunks{static_cast<int>(row_tiles), static_cast<int>(c.chunks),
                    static_cast<int>(c.tiles_per_chunk * BK), rows, workspace,
                    workspace + c.chunks * rows * d};
+}
+
+// The plan of one batch row of Q queries over T keys, as a launch of that row
+// alone plans it (the occupancy rule for B = 1, then whole-tile chunks).
+inline RowPlan attention_row_plan(int64_t Q, int64_t H, int64_t H_kv, int64_t T, int d,
+                                  int sm_count) {
+  RowPlan p{static_cast<int>(Q), static_cast<int>(T), static_cast<int>(T), 1};
+  if (Q == 0 || T == 0) {
+    p.chunks = 0;
+    return p;
+  }
+  const int splits = attention_key_splits_for(1, Q, H, H_kv, T, d, sm_count);
+  if (splits <= 1) return p;
+  with_head_dim_chunks(d, [&](auto dch) {
+    constexpr int BK = AttnTile<decltype(dch)::value>::kKeys;
+    const ChunkShape c = whole_tile_chunks(ceil_div(T, BK), splits);
+    p.chunk_keys = static_cast<int>(c.tiles_per_chunk * BK);
+    p.chunks = static_cast<int>(c.chunks);
+  });
+  return p;
+}
+
+// The chunks of a launch whose rows follow their own plans: `splits` is the
+// most chunks of any row (kept as asked: the grid must hold every row's).
+template <int DCH>
+inline KeyChunks attn_row_chunks(int B, int Q, int H, int H_kv, int d, int splits,
+                                 float* workspace, const RowPlan* row_plans) {
+  const int64_t rows = static_cast<int64_t>(B) * Q * H;
+  const bool split = splits > 1 && workspace != nullptr;
+  return KeyChunks{static_cast<int>(attn_row_tiles<DCH>(Q, H, H_kv)), split ? splits : 1, 0, rows,
+                   split ? workspace : nullptr, split ? workspace + splits * rows * d : nullptr,
+                   row_plans, static_cast<int64_t>(Q) * H, H};
 }
 
 // Grid of an attention launch: (row tiles x key chunks, KV heads, batch rows).
@@ -263,7 +311,7 @@ struct WarpRows {
       const int r = row0 + warp * RW + w;
       if (r >= n_rows) break;
       const int64_t o = attn_row_offset(b, r, Q, H, G, kvh);
-      if (kc.splits > 1) {
+      if (kc.chunks_of(b) > 1) {
         store_partial(w, kc, kc.chunk() * kc.rows + o, d, lane);
       } else {
         store(w, out + o * d, d, lane);
@@ -378,10 +426,19 @@ template <typename T>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_combine_kernel(const float* __restrict__ partial_acc,
                              const float* __restrict__ partial_state, T* __restrict__ out,
-                             float* __restrict__ stats, int64_t rows, int splits, int d) {
+                             float* __restrict__ stats, int64_t rows, int splits, int d,
+                             const RowPlan* __restrict__ row_plans, int64_t rows_per_batch,
+                             int heads) {
   const int lane = threadIdx.x % kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kAttnWarps + threadIdx.x / kWarp;
   if (row >= rows) return;  // warp-uniform; no barrier below
+  if (row_plans) {  // the batch row's own chunks; one (or none): stored by the attention kernel
+    const RowPlan plan = row_plans[row / rows_per_batch];
+    // Past the batch row's queries no chunk was folded: those rows stay zero.
+    if (plan.chunks <= 1 || row % rows_per_batch >= static_cast<int64_t>(plan.queries) * heads)
+      return;
+    splits = plan.chunks;
+  }
   const auto chunk_m = [&](int s) { return partial_state[(s * rows + row) * 2]; };
   float m = -INFINITY;
   for (int s = 0; s < splits; ++s) m = fmaxf(m, chunk_m(s));
@@ -410,6 +467,9 @@ struct AttentionCombineParams {
   float* stats;                // [rows, 2] final (m, l), or null
   int64_t rows;                // B * Q * H
   int splits, d;
+  const RowPlan* row_plans = nullptr;  // per batch row chunks (KeyChunks), or null
+  int64_t rows_per_batch = 0;          // Q * H
+  int heads = 0;                       // H
 };
 
 template <typename T>
@@ -418,7 +478,7 @@ void launch_attention_combine(const AttentionCombineParams<T>& p, stream_t strea
   const int64_t blocks = ceil_div(p.rows, kAttnWarps);
   DLLM_LAUNCH(attention_combine_kernel<T>, dim3(static_cast<unsigned>(blocks)),
               dim3(kAttnThreads), 0, stream, p.partial_acc, p.partial_state, p.out, p.stats,
-              p.rows, p.splits, p.d);
+              p.rows, p.splits, p.d, p.row_plans, p.rows_per_batch, p.heads);
 }
 
 // A launch's combine, when it split the keys.
@@ -427,7 +487,8 @@ void combine_key_chunks(const KeyChunks& kc, T* out, float* stats, int d, stream
   if (kc.splits <= 1) return;
   launch_attention_combine<T>({.partial_acc = kc.partial_acc, .partial_state = kc.partial_state,
                                .out = out, .stats = stats, .rows = kc.rows, .splits = kc.splits,
-                               .d = d},
+                               .d = d, .row_plans = kc.row_plans,
+                               .rows_per_batch = kc.rows_per_batch, .heads = kc.heads},
                               stream);
 }
 

@@ -77,13 +77,48 @@ void rope_scatter_kv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   DLLM_CUDA_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
-                                                         const at::Tensor& k_cache,
-                                                         const at::Tensor& v_cache,
-                                                         const std::optional<at::Tensor>& key_valid,
-                                                         double scale, bool return_probs) {
+// Per-row counts: each batch row's own plan (cuda::attention_row_plan, for the
+// SM count the launch plans for) on q's device, and the split workspace for
+// the most chunks of any row. The plans travel through pinned memory without
+// a sync (the caching host allocator keeps the buffer until the copy ran), so
+// a call under CUDA graph capture would replay a buffer reused since: such a
+// call must not give counts.
+struct RowPlans {
+  at::Tensor on_device;  // [B] cuda::RowPlan as int32 [B, 4]
+  SplitKvPlan split;
+};
+
+RowPlans plan_rows(const char* op, const at::Tensor& q, int64_t B, int64_t Q, int64_t H,
+                   int64_t H_kv, int64_t T, int64_t d, const at::OptionalIntArrayRef& query_counts,
+                   const at::OptionalIntArrayRef& key_counts) {
+  static_assert(sizeof(cuda::RowPlan) == 4 * sizeof(int32_t), "RowPlan is four int32");
+  const int sms = attention_sm_count(op, q);
+  auto opts = at::TensorOptions().dtype(at::kInt);
+#if !defined(CUDASIM)
+  opts = opts.pinned_memory(true);
+#endif
+  at::Tensor host = at::empty({B, 4}, opts);
+  auto* plans = reinterpret_cast<cuda::RowPlan*>(host.mutable_data_ptr<int32_t>());
+  RowPlans r;
+  for (int64_t b = 0; b < B; ++b) {
+    plans[b] = cuda::attention_row_plan(row_count(query_counts, b, Q), H, H_kv,
+                                        row_count(key_counts, b, T), static_cast<int>(d), sms);
+    r.split.splits = std::max(r.split.splits, plans[b].chunks);
+  }
+  if (r.split.splits > 1)
+    r.split.workspace = at::empty({cuda::attention_split_workspace_floats(r.split.splits, B * Q * H, d)},
+                                  q.options().dtype(at::kFloat));
+  r.on_device = host.to(q.device(), /*non_blocking=*/true);
+  return r;
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& key_valid, double scale, bool return_probs,
+    at::OptionalIntArrayRef query_counts, at::OptionalIntArrayRef key_counts) {
   constexpr const char* op = "sparse_attention";
-  check_sparse_attention(q, k_cache, v_cache, key_valid, scale);
+  check_sparse_attention(q, k_cache, v_cache, key_valid, scale, return_probs, query_counts,
+                         key_counts);
   DLLM_CUDA_ENTER(op, q, "q");
   const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), d = q.size(3);
   const int64_t H_kv = k_cache.size(1), T = k_cache.size(2);
@@ -95,12 +130,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
   const auto vc = v_cache.contiguous();
   at::Tensor valid_c;
   if (key_valid.has_value()) valid_c = key_valid->contiguous();
-  auto out = at::empty({B, Q, H, d}, q.options());
+  const bool per_row = query_counts.has_value() || key_counts.has_value();
+  // Per-row counts leave the rows past a row's queries unwritten: zeros.
+  auto out = per_row ? at::zeros({B, Q, H, d}, q.options()) : at::empty({B, Q, H, d}, q.options());
   const auto f32 = q.options().dtype(at::kFloat);
   auto probs = return_probs ? at::empty({B, Q, T}, f32) : at::empty({0}, f32);
   at::Tensor stats;
   if (return_probs) stats = at::empty({B, Q, H, 2}, f32);
-  const SplitKvPlan split = plan_split_kv(op, q, B, Q, H, H_kv, T, d);
+  RowPlans rows;
+  if (per_row && B * Q > 0)
+    rows = plan_rows(op, q, B, Q, H, H_kv, T, d, query_counts, key_counts);
+  else
+    rows.split = plan_split_kv(op, q, B, Q, H, H_kv, T, d);
   DLLM_DISPATCH_FLOATING_TYPES(q.scalar_type(), "dllm::sparse_attention", [&] {
     cuda::launch_sparse_attention<kernel_t<scalar_t>>(
         {.q = kernel_ptr<scalar_t>(qc), .k_cache = kernel_ptr<scalar_t>(kc),
@@ -110,7 +151,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_cuda(const at::Tensor& q,
          .probs = return_probs ? probs.mutable_data_ptr<float>() : nullptr,
          .B = static_cast<int>(B), .Q = static_cast<int>(Q), .H = static_cast<int>(H),
          .H_kv = static_cast<int>(H_kv), .T = static_cast<int>(T), .d = static_cast<int>(d),
-         .key_splits = split.splits, .split_workspace = optional_mut_ptr<float>(split.workspace)},
+         .key_splits = rows.split.splits,
+         .split_workspace = optional_mut_ptr<float>(rows.split.workspace),
+         .row_plans = rows.on_device.defined()
+                          ? reinterpret_cast<const cuda::RowPlan*>(rows.on_device.const_data_ptr<int32_t>())
+                          : nullptr},
         DLLM_CUDA_STREAM());
   });
   DLLM_CUDA_LAUNCH_CHECK();

@@ -181,8 +181,15 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int G = H / H_kv;
   const int kvh = blockIdx.y;
   const int64_t b = blockIdx.z;
-  const int row0 = chunks.row_tile() * R, n_rows = Q * G;
-  const int t_begin = chunks.key_begin(), t_end = chunks.key_end(T_len);
+  const int row0 = chunks.row_tile() * R;
+  int n_rows = Q * G, t_begin = chunks.key_begin(), t_end = chunks.key_end(T_len);
+  if (chunks.row_plans) {  // the batch row's own queries, keys and chunks
+    const RowPlan plan = chunks.row_plans[b];
+    n_rows = plan.queries * G;
+    if (chunks.chunk() >= plan.chunks || row0 >= n_rows) return;  // block-uniform, before any barrier
+    t_begin = chunks.chunk() * plan.chunk_keys;
+    t_end = t_begin + min(plan.chunk_keys, plan.keys - t_begin);
+  }
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 
   load_query_rows(qs, q, b, kvh, row0, n_rows, Q, H, G, d);
@@ -244,6 +251,12 @@ struct SparseAttentionParams {
   int key_splits;          // key chunks asked for; 1 = one pass
   float* split_workspace;  // attention_split_workspace_floats(key_splits, B * Q * H, d) fp32
                            // scratch when key_splits > 1, else null
+  // Per-row counts: row b attends with its first row_plans[b].queries queries
+  // over its first .keys keys, cut as its own launch would cut them
+  // (attention_row_plan); key_splits is then the most chunks of any row, and
+  // out must come zeroed (rows past a row's queries are not written). Null:
+  // every row is the launch's. Not with probs.
+  const RowPlan* row_plans = nullptr;
 };
 
 template <typename T, int DCH>
@@ -251,7 +264,10 @@ void launch_sparse_attention_d(const SparseAttentionParams<T>& p, stream_t strea
   // Named aliases: a template-id with a comma cannot be a macro argument.
   const auto attention_kernel = sparse_attention_kernel<T, DCH>;
   const KeyChunks chunks =
-      attn_key_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits, p.split_workspace);
+      p.row_plans ? attn_row_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.d, p.key_splits,
+                                         p.split_workspace, p.row_plans)
+                  : attn_key_chunks<DCH>(p.B, p.Q, p.H, p.H_kv, p.T, p.d, p.key_splits,
+                                         p.split_workspace);
   DLLM_LAUNCH(attention_kernel, attn_grid(chunks, p.B, p.H_kv), dim3(kAttnThreads), 0, stream,
               p.q, p.k_cache, p.v_cache, p.key_valid, p.scale, p.out, p.stats, chunks, p.Q, p.H,
               p.H_kv, p.T, p.d);

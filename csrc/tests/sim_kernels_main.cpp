@@ -459,6 +459,62 @@ static void test_attention_combine() {
 
 // The occupancy rule at the shapes dllm_ops/ops.py sparse_attention quotes
 // (H200: 132 SMs; LLaDA-8B: H = H_kv = 32, d = 128; Dream-7B: H = 28, H_kv = 4).
+// Per-row plans (sparse_attention's counts): one launch of ragged rows (two
+// key chunks, none, one) equals launches of each row alone bit for bit, and
+// leaves out zero past a row's queries. The workspace starts as NaN and the
+// cache holds NaN past each row's keys, so a read beyond either shows.
+static void test_sparse_attention_row_plans() {
+  const char* name = "sparse_attention row plans";
+  constexpr int B = 3, Q = 5, H = 4, Hkv = 2, Tn = 300, d = 32, sms = 132;
+  const int qn[B] = {5, 0, 2}, kn[B] = {300, 40, 161};
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n01;
+  std::vector<float> q(size_t(B) * Q * H * d), kc(size_t(B) * Hkv * Tn * d), vc(kc.size());
+  for (auto* v : {&q, &kc, &vc})
+    for (auto& x : *v) x = n01(rng);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h)
+      for (size_t i = (size_t(b * Hkv + h) * Tn + kn[b]) * d; i < size_t(b * Hkv + h + 1) * Tn * d; ++i)
+        kc[i] = vc[i] = NAN;
+  std::vector<dllm::cuda::RowPlan> plans;
+  int most = 1;
+  for (int b = 0; b < B; ++b) {
+    plans.push_back(dllm::cuda::attention_row_plan(qn[b], H, Hkv, kn[b], d, sms));
+    most = std::max(most, plans.back().chunks);
+  }
+  expect_close(plans[0].chunks, 2, 0.0, name, 0);  // the rows' own splits differ
+  expect_close(plans[1].chunks, 0, 0.0, name, 1);
+  expect_close(plans[2].chunks, 1, 0.0, name, 2);
+  auto attend = [&](const float* qp, const float* kp, const float* vp, int b_rows, int q_rows,
+                    int t_keys, int splits, const dllm::cuda::RowPlan* rp, std::vector<float>& out) {
+    std::vector<float> ws(
+        size_t(dllm::cuda::attention_split_workspace_floats(splits, int64_t(b_rows) * q_rows * H, d)),
+        NAN);
+    dllm::cuda::launch_sparse_attention<float>(
+        {.q = qp, .k_cache = kp, .v_cache = vp, .key_valid = nullptr, .scale = 0.3f,
+         .out = out.data(), .stats = nullptr, .probs = nullptr, .B = b_rows, .Q = q_rows, .H = H,
+         .H_kv = Hkv, .T = t_keys, .d = d, .key_splits = splits,
+         .split_workspace = splits > 1 ? ws.data() : nullptr, .row_plans = rp},
+        nullptr);
+  };
+  std::vector<float> out(q.size(), 0.f);
+  attend(q.data(), kc.data(), vc.data(), B, Q, Tn, most, plans.data(), out);
+  for (int b = 0; b < B; ++b) {
+    const size_t row0 = size_t(b) * Q * H * d;
+    std::vector<float> alone(size_t(qn[b]) * H * d, 0.f), k1, v1;
+    for (int h = 0; h < Hkv; ++h) {
+      const size_t o = size_t(b * Hkv + h) * Tn * d;
+      k1.insert(k1.end(), kc.begin() + o, kc.begin() + o + size_t(kn[b]) * d);
+      v1.insert(v1.end(), vc.begin() + o, vc.begin() + o + size_t(kn[b]) * d);
+    }
+    if (qn[b] > 0)
+      attend(q.data() + row0, k1.data(), v1.data(), 1, qn[b], kn[b],
+             dllm::cuda::attention_key_splits_for(1, qn[b], H, Hkv, kn[b], d, sms), nullptr, alone);
+    for (size_t i = 0; i < size_t(Q) * H * d; ++i)
+      expect_close(out[row0 + i], i < alone.size() ? alone[i] : 0.0, 0.0, name, int(row0 + i));
+  }
+}
+
 static void test_split_kv_rule() {
   using dllm::cuda::attention_key_splits_for;
   struct Case {
@@ -498,6 +554,7 @@ static void test_sparse_kv_family() {
   test_sparse_attention<__half>("sparse_attention<half> d=130 split 4", 1, 2, 2, 2, 50, 130, 3e-3, 4);
   test_attention_combine();
   test_split_kv_rule();
+  test_sparse_attention_row_plans();
   test_gather_scatter_rows();
 }
 

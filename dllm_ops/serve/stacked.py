@@ -13,9 +13,8 @@ call of that block, and every step of a call runs once over all the rows:
 - the model call: one part of the engine's fused call
   (dllm_ops/serve/fused.py), i.e. one embedding gather, one K/V write and one
   attention launch per layer over the ``[R, Q_max]`` plan (−1 pads run no
-  token-row GEMM: the fused call packs only real tokens); on CUDA, whose
-  attention kernel splits the keys by the launch's shape, each row attends
-  in a launch of its own shapes (:class:`SlabCache`);
+  token-row GEMM: the fused call packs only real tokens), which gives each
+  row its own query and key counts (:class:`SlabCache`);
 - the commit: one ``token_confidence`` over every row's logits (each row's
   random draws from its own generator when the cohort samples), the reveal
   rule's :meth:`~dllm_ops.reveal.RevealRule.select_rows` with each row's own
@@ -39,9 +38,9 @@ share each model call's GEMMs.
 **Invariance.** A row answers exactly what it answers alone: its plan holds
 the positions its own decode would plan, in the same order; the fused call's
 GEMMs are row-independent (``token_linear``); ``rope_scatter_kv`` writes per
-token; ``sparse_attention`` reads a row's keys only and, on the CPU, ignores
-invalid ones bit for bit (the trailing columns and the −1 query rows change no
-bit of the real rows; on CUDA each row attends on its own shapes); scoring and the rules are row-independent
+token; ``sparse_attention`` with per-row counts gives each row the bits of
+a launch on its own queries and columns, on every backend (on CUDA, the key
+split its own launch would pick); scoring and the rules are row-independent
 (python_tests/test_stacked.py checks all of it against ``generate``).
 
 **Memory.** The slab grows one row at a time when a row joins a full slab,
@@ -61,7 +60,7 @@ from ..config import DecodeConfig
 from ..decode import call_flops, generated_count, make_sampling, up_to_eos
 from ..errors import DecodeError
 from ..models import DiffusionLM
-from ..plan import KVCache, StepPlan, mask_to_idx
+from ..plan import KVCache, StepPlan, mask_to_idx, mask_to_idx_counts
 from ..reveal import build_reveal
 from ..stats import DecodeStats
 from .fused import RowCall
@@ -105,31 +104,19 @@ class SlabCache(KVCache):
     """A cohort's K/V slab (rows ``[0, R)``, ``W`` columns) as one call's cache.
 
     The K/V write is one ``rope_scatter_kv`` (per token, so any layout gives a
-    row its own bits). Attention is one ``sparse_attention`` over the slab where
-    the kernel's arithmetic for a row does not depend on the launch's shape (the
-    CPU kernels: checked bit for bit with padding queries and trailing invalid
-    keys). CUDA's kernel picks its key split from the launch's shape (the grid
-    it would fill: B, Q, H, T), so there each row attends in a launch of its own
-    on its own queries and columns (``[1, Q_r]`` over ``[1, H_kv, T_r, d]``
-    views), the shapes it has alone (``per_row``: None chooses by device)."""
+    row its own bits). Attention is one ``sparse_attention`` over the slab that
+    gives each row its own counts (its planned queries, its canvas columns):
+    each row then gets the bits of a launch on its own ``[1, Q_r]`` queries
+    over ``[1, H_kv, T_r, d]``, on every backend (on CUDA the key split that
+    launch would pick, not the one the slab's shape would)."""
     row_lengths: list = field(default_factory=list)   # T_r: each row's canvas columns
-    plan_idx: torch.Tensor | None = None              # the call's [R, Q] plan (real entries first)
-    per_row: bool | None = None
-    _queries: list | None = None                      # Q_r: each row's planned tokens
+    queries: list = field(default_factory=list)       # Q_r: each row's planned tokens (real entries first)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, return_probs: bool = False):
-        per_row = self.per_row if self.per_row is not None else q.device.type != "cpu"
-        if not per_row or return_probs:   # (no cohort kind records attention rows)
+        if return_probs:   # (no cohort kind records attention rows)
             return super().attend(layer, q, scale, return_probs)
-        if self._queries is None:
-            self._queries = (self.plan_idx >= 0).sum(1).tolist()
-        out = torch.zeros_like(q)
-        for r, (Q, T) in enumerate(zip(self._queries, self.row_lengths)):
-            if Q:
-                out[r, :Q] = ops.sparse_attention(q[r:r + 1, :Q], self.k[layer][r:r + 1, :, :T],
-                                                  self.v[layer][r:r + 1, :, :T],
-                                                  self.key_valid[r:r + 1, :T], scale, False)[0][0]
-        return out, q.new_empty(0)
+        return ops.sparse_attention(q, self.k[layer], self.v[layer], self.key_valid, scale, False,
+                                    self.queries, self.row_lengths)
 
 
 @dataclass(eq=False)
@@ -174,8 +161,6 @@ class StackedDecodes:
         self.sampling = make_sampling(model, config, self.generators)
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
-        #: attention per row on its own shapes (None: on CUDA; see SlabCache)
-        self.per_row_attention: bool | None = None
         self._cols = torch.arange(width, device=model.device)
         self._allocate(0)
 
@@ -307,11 +292,11 @@ class StackedDecodes:
         if self.model.config.logit_shift:
             want = torch.roll(want, -1, dims=1)
             want[:, -1] = False
-        plan = StepPlan(mask_to_idx(run), mask_to_idx(want & run))
+        run_idx, queries = mask_to_idx_counts(run)
+        plan = StepPlan(run_idx, mask_to_idx(want & run))
         cache = SlabCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v],
                           key_valid=self.key_valid[:n], positions=self.positions[:n],
-                          row_lengths=[r.length for r in self.rows], plan_idx=plan.idx,
-                          per_row=self.per_row_attention)
+                          row_lengths=[r.length for r in self.rows], queries=queries)
         return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
 
     def end_call(self, call: RowCall, logits: torch.Tensor) -> None:
