@@ -244,10 +244,8 @@ def fill_rows_ended_at_eos(g: torch.Tensor, is_eos: torch.Tensor, masked: torch.
     # (the inclusive running count is still 0).
     before_first_eos = is_eos.cumsum(1) == 0
     done = active & is_eos.any(1) & ~(masked & before_first_eos).any(1)
-    filled = torch.zeros(g.shape[0], dtype=torch.long, device=g.device)
-    if bool(done.any()):
-        fill = masked & done[:, None]
-        filled = fill.sum(1)
-        g[fill] = eos_id
-        active &= ~done
-    return filled
+    # Branch-free: no host read of `done` (a device sync per call on CUDA).
+    fill = masked & done[:, None]
+    g.masked_fill_(fill, eos_id)
+    active &= ~done
+    return fill.sum(1)

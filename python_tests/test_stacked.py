@@ -237,15 +237,15 @@ def test_slots_follow_the_rows(models):
     assert stack.nbytes() == 3 * slot and not stack.has_free_slot()
     stack.ready()
     stack.end_call(call := stack.begin_call(), fused_step(model, [call])[0])
-    moved = [stack.x[2].clone(), stack.k[1][2].clone(), stack.positions[2].clone()]
+    moved = [stack.x[2].clone(), stack.k[1][2].clone(), stack.v[3][2].clone()]
     stack.remove(0)                                        # the last row moves into slot 0
     assert [r.owner for r in stack.rows] == [2, 1] and stack.has_free_slot()
     assert torch.equal(stack.x[0], moved[0]) and torch.equal(stack.k[1][0], moved[1])
-    assert torch.equal(stack.positions[0], moved[2])
+    assert torch.equal(stack.v[3][0], moved[2])
     stack.add(3, PROMPTS[3], cfg)                          # takes the idle slot
     assert stack.nbytes() == 3 * slot and stack.index(3) == 2
     assert not stack.key_valid[2, len(PROMPTS[3]) + 16:].any() and stack.key_valid[2, :len(PROMPTS[3]) + 16].all()
-    assert not stack.k[0][2].any()                         # a joining row starts from an empty cache
+    # (its K/V slot keeps the left row's values: its first call writes every column it reads)
     for owner in (1, 2, 3):
         stack.remove(owner)
     assert stack.nbytes() == 0 and not stack.rows

@@ -431,7 +431,7 @@ class Engine:
             self.metrics.generated_tokens.inc(len(new))
             self._emit(seq, Progress(answer.token_ids, new))
         if answer.finish_reason is not None:
-            stats = stack.stats(seq) if stack is not None else dec.result().stats
+            stats = stack.stats(seq, region) if stack is not None else dec.result().stats
             text = self.tokenizer.decode(list(answer.token_ids)) if self.tokenizer is not None else None
             self._end(seq, Finished(answer.token_ids, answer.finish_reason,
                                     prompt_tokens=len(seq.request.prompt_ids),

@@ -166,21 +166,23 @@ class StackedDecodes:
 
     # ---- rows joining and leaving --------------------------------------------------------
     def _allocate(self, capacity: int) -> None:
+        """Slots for ``capacity`` rows (the rows so far keep theirs). K and V of
+        every layer are views of one buffer, so a row moves in one copy. A
+        slot's K/V are never cleared: a row's first call runs (writes) all its
+        columns before any layer reads them, and columns past a row's length
+        are never read (SlabCache's per-row counts)."""
         c, dev = self.model.config, self.model.device
         W, n = self.width, len(self.rows)
-        old = getattr(self, "x", None)
         x = torch.full((capacity, W), c.pad_id, dtype=torch.long, device=dev)
         valid = torch.zeros((capacity, W), dtype=torch.bool, device=dev)
-        positions = torch.zeros((capacity, W), dtype=torch.long, device=dev)
         active = torch.zeros(capacity, dtype=torch.bool, device=dev)
-        shape = (capacity, c.n_kv_heads, W, c.head_dim)
-        k = [torch.zeros(shape, dtype=self.model.dtype, device=dev) for _ in range(c.n_layers)]
-        v = [torch.zeros(shape, dtype=self.model.dtype, device=dev) for _ in range(c.n_layers)]
-        if old is not None and n:
-            for new, cur in zip((x, valid, positions, active, *k, *v),
-                                (self.x, self.key_valid, self.positions, self.active, *self.k, *self.v)):
-                new[:n] = cur[:n]
-        self.x, self.key_valid, self.positions, self.active, self.k, self.v = x, valid, positions, active, k, v
+        kv = torch.empty((2, c.n_layers, capacity, c.n_kv_heads, W, c.head_dim), dtype=self.model.dtype,
+                         device=dev)
+        if n:
+            x[:n], valid[:n], active[:n] = self.x[:n], self.key_valid[:n], self.active[:n]
+            kv[:, :, :n] = self.kv[:, :, :n]
+        self.x, self.key_valid, self.active, self.kv = x, valid, active, kv
+        self.k, self.v = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     def add(self, owner, prompt_ids: list[int], config: DecodeConfig) -> None:
         """A request joins: its canvas in the next row (the slab grows by one row when full)."""
@@ -190,15 +192,10 @@ class StackedDecodes:
             raise DecodeError(f"a canvas of {P + G} columns does not fit this cohort's {self.width}")
         if n == self.x.shape[0]:
             self._allocate(n + 1)
-        self.x[n] = c.pad_id
-        self.x[n, :P] = torch.tensor(prompt_ids, dtype=torch.long, device=self.x.device)
-        self.x[n, P:P + G] = c.mask_id
+        canvas = list(prompt_ids) + [c.mask_id] * G + [c.pad_id] * (self.width - P - G)
+        self.x[n] = torch.tensor(canvas, dtype=torch.long, device=self.x.device)
         self.key_valid[n] = self._cols < P + G
-        # a row's RoPE positions are its own columns' (KVCache.empty's rule for one row)
-        self.positions[n] = (self.key_valid[n].long().cumsum(0) - 1).clamp_min(0)
         self.active[n] = True
-        for t in (*self.k, *self.v):
-            t[n].zero_()
         self.generators.append(torch.Generator(device="cpu").manual_seed(config.shape.seed))
         self.rows.append(StackedRow(owner, P, G, config.shape.blocks_to_decode))
 
@@ -207,8 +204,9 @@ class StackedDecodes:
         r = self.index(owner)
         last = len(self.rows) - 1
         if r != last:
-            for t in (self.x, self.key_valid, self.positions, self.active, *self.k, *self.v):
+            for t in (self.x, self.key_valid, self.active):
                 t[r] = t[last]
+            self.kv[:, :, r] = self.kv[:, :, last]
             self.rows[r] = self.rows[last]
             self.generators[r] = self.generators[last]
         self.rows.pop()
@@ -251,26 +249,34 @@ class StackedDecodes:
     def ready(self) -> list:
         """Open each row's next block where its block has no candidate left (a
         Decoder's ``ready`` per row); the owners of the rows whose decode is
-        over (their last block done, or stopped at EOS)."""
-        if not self.rows:
+        over (their last block done, or stopped at EOS), in row order. One host
+        read for every row, then one per round of rows opening a block."""
+        n = len(self.rows)
+        if not n:
             return []
         cols = self._block_columns(self._block_starts())
-        has = self._block_candidates(self.x[:len(self.rows)].gather(1, cols)).any(1).tolist()
-        over = []
-        for i, row in enumerate(self.rows):
-            if row.blocks_decoded and has[i]:
-                continue
-            while True:
-                if row.blocks_decoded >= row.block_limit or (row.blocks_decoded and not bool(self.active[i])):
-                    over.append(row.owner)
-                    break
+        has = self._block_candidates(self.x[:n].gather(1, cols)).any(1)
+        has, active = torch.stack([has, self.active[:n]]).tolist()
+        over, opening = [], [i for i, row in enumerate(self.rows) if not (row.blocks_decoded and has[i])]
+        while opening:
+            opened = []
+            for i in opening:
+                row = self.rows[i]
+                if row.blocks_decoded >= row.block_limit or (row.blocks_decoded and not active[i]):
+                    over.append(i)
+                    continue
                 row.block_start = row.prompt_len + row.blocks_decoded * self.block_length
                 row.step = 0
                 row.blocks_decoded += 1
-                cols = self._block_columns(torch.tensor([row.block_start], device=self.x.device))
-                if bool((self.x[i:i + 1].gather(1, cols) == self.mask_id).any()):
-                    break
-        return over
+                opened.append(i)
+            if not opened:
+                break
+            # a block without a mask (its tokens all EOS-filled) opens the next one
+            rows = torch.tensor(opened, device=self.x.device)
+            starts = torch.tensor([self.rows[i].block_start for i in opened], device=self.x.device)
+            masked = (self.x[rows].gather(1, self._block_columns(starts)) == self.mask_id).any(1).tolist()
+            opening = [i for i, m in zip(opened, masked) if not m]
+        return [self.rows[i].owner for i in sorted(over)]
 
     def begin_call(self) -> RowCall:
         """Every row's plan for this call (each row must be ready), as a part of the fused call."""
@@ -295,7 +301,9 @@ class StackedDecodes:
         run_idx, queries = mask_to_idx_counts(run)
         plan = StepPlan(run_idx, mask_to_idx(want & run))
         cache = SlabCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v],
-                          key_valid=self.key_valid[:n], positions=self.positions[:n],
+                          key_valid=self.key_valid[:n],
+                          # a row's RoPE positions are its columns (rows are left-aligned)
+                          positions=self._cols.expand(n, -1),
                           row_lengths=[r.length for r in self.rows], queries=queries)
         return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
 
@@ -310,38 +318,43 @@ class StackedDecodes:
         cols = self._block_columns(starts)
         block = x.gather(1, cols)
         cand = self._block_candidates(block)
-        if bool((cand & ~has).any()):
-            raise DecodeError("the stacked plan has no logits for a candidate")
+        # (checked at the one host read below: a fault fails the cohort's rows either way)
+        missing = (cand & ~has).any(1)
         token, score, _ = block_scores(self, logits, pos, in_block, cand, self.rule, self.sampling)
         commit = self.rule.select_rows(score, cand, [r.step for r in self.rows]) & cand
         x.scatter_(1, cols, torch.where(commit, token, block))
-        counts = torch.stack([(plan.idx >= 0).sum(1), (plan.logits_idx >= 0).sum(1)]).tolist()
-        for i, row in enumerate(self.rows):
-            row.nfe += 1
-            row.step += 1
-            row.recomputed.append(counts[0][i])
-            row.flops += call_flops(self.model, counts[0][i], counts[1][i], row.length)
+        counts = [missing, (plan.idx >= 0).sum(1), (plan.logits_idx >= 0).sum(1)]
         if self.stop_at_eos:
             c, col = self.model.config, self._cols
             gen_start = torch.tensor([r.prompt_len for r in self.rows], device=x.device)[:, None]
             gen_end = torch.tensor([r.length for r in self.rows], device=x.device)[:, None]
             region = (col >= gen_start) & (col < gen_end)
-            filled = fill_rows_ended_at_eos(x, (x == c.eos_id) & region, (x == c.mask_id) & region,
-                                            self.active[:n], c.eos_id)
-            for row, f in zip(self.rows, filled.tolist()):
-                row.eos_filled += f
+            counts.append(fill_rows_ended_at_eos(x, (x == c.eos_id) & region, (x == c.mask_id) & region,
+                                                 self.active[:n], c.eos_id))
+        missing, run, logit_rows, *filled = torch.stack(counts).tolist()
+        if any(missing):
+            raise DecodeError("the stacked plan has no logits for a candidate")
+        for i, row in enumerate(self.rows):
+            row.nfe += 1
+            row.step += 1
+            row.recomputed.append(run[i])
+            row.flops += call_flops(self.model, run[i], logit_rows[i], row.length)
+            if filled:
+                row.eos_filled += filled[0][i]
 
     def regions(self) -> list[list[int]]:
         """Each row's generated region as it stands (one read of the canvas)."""
         canvas = self.x[:len(self.rows)].tolist()
         return [canvas[i][r.prompt_len:r.length] for i, r in enumerate(self.rows)]
 
-    def stats(self, owner) -> DecodeStats:
-        """The row's decode counts, as ``Decoder.result().stats`` would give them alone."""
+    def stats(self, owner, region: list[int] | None = None) -> DecodeStats:
+        """The row's decode counts, as ``Decoder.result().stats`` would give them alone
+        (``region``: its generated region, when the caller read it)."""
         i = self.index(owner)
         row, c = self.rows[i], self.model.config
-        n_gen = generated_count(up_to_eos(self.x[i, row.prompt_len:row.length].tolist(), c.eos_id),
-                                c.mask_id)
+        if region is None:
+            region = self.x[i, row.prompt_len:row.length].tolist()
+        n_gen = generated_count(up_to_eos(region, c.eos_id), c.mask_id)
         wall = row.wall_s
         return DecodeStats(
             nfe=row.nfe, wall_s=wall, generated_tokens=n_gen,
