@@ -658,19 +658,6 @@ def two_source_attention(q: torch.Tensor, k: PackedK, v: PackedV,
         full_valid: ``[B, Tf]`` bool or None.
         scale: score multiplier, usually ``d ** -0.5``.
         return_probs: also return the head-averaged probabilities.
-        query_counts, key_counts: per batch row, how many of its queries and
-            keys it has (each list B ints in ``[0, Q]`` / ``[0, T]``; None:
-            all). Row ``b`` then attends with ``q[b, :query_counts[b]]`` over
-            keys ``[0, key_counts[b])`` only (what lies past them is never
-            read, NaN included), ``out[b, query_counts[b]:] == 0``, and its
-            outputs are **bit for bit** those of a call on that row alone
-            (``q[b:b+1, :n]`` over ``k_cache[b:b+1, :, :t]``) on every
-            backend, whatever the other rows hold: ragged rows of unrelated
-            decodes share one launch (the server's stacked cohorts) and each
-            gets its own answer. Not with ``return_probs``. On CUDA each row
-            keeps the key split its own call would pick (below), and the
-            plans travel to the device through pinned memory without a sync
-            (not under CUDA graph capture).
 
     Returns:
         ``(out, probs_mean)``: ``out [B, Q, H, d]`` in q's dtype (zeros for a

@@ -65,7 +65,7 @@ def _with_dllm_defaults(sim_op, name: str):
     """The simulated op taking dllm::<name>'s defaults: its schema is inferred
     from the C++ function, which carries no default values, so a test calling
     it as it calls torch.ops.dllm.<name> would miss the trailing arguments."""
-    args = torch.ops.dllm.__getattr__(name).default._schema.arguments
+    args = getattr(torch.ops.dllm, name).default._schema.arguments
 
     def call(*given, **named):
         rest = [named.pop(a.name, a.default_value) for a in args[len(given):]]
