@@ -323,7 +323,7 @@ class StackedDecodes:
         token, score, _ = block_scores(self, logits, pos, in_block, cand, self.rule, self.sampling)
         commit = self.rule.select_rows(score, cand, [r.step for r in self.rows]) & cand
         x.scatter_(1, cols, torch.where(commit, token, block))
-        counts = [missing, (plan.idx >= 0).sum(1), (plan.logits_idx >= 0).sum(1)]
+        counts = [missing, (plan.logits_idx >= 0).sum(1)]
         if self.stop_at_eos:
             c, col = self.model.config, self._cols
             gen_start = torch.tensor([r.prompt_len for r in self.rows], device=x.device)[:, None]
@@ -331,7 +331,8 @@ class StackedDecodes:
             region = (col >= gen_start) & (col < gen_end)
             counts.append(fill_rows_ended_at_eos(x, (x == c.eos_id) & region, (x == c.mask_id) & region,
                                                  self.active[:n], c.eos_id))
-        missing, run, logit_rows, *filled = torch.stack(counts).tolist()
+        missing, logit_rows, *filled = torch.stack(counts).tolist()
+        run = call.cache.queries            # each row's planned tokens, read by begin_call
         if any(missing):
             raise DecodeError("the stacked plan has no logits for a candidate")
         for i, row in enumerate(self.rows):
