@@ -415,8 +415,7 @@ def cmd_serve(args) -> int:
     if args.ray:   # each replica loads its own model
         from .serve.replicas import serve_replicas
         return serve_replicas(args, config)
-    model, _, _ = load_model(args)
-    return serve(args, model, config)
+    return serve(args, config)
 
 
 def _main(argv) -> int:

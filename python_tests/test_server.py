@@ -365,10 +365,19 @@ def test_serve_flags_parse_as_generate_flags_do():
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     with http() as c:
-        assert c.get(server.url + "/health").json() == {"status": "ok"}
+        health = c.get(server.url + "/health").json()
         r = c.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert "dllm_requests_total" in r.text
+    # the engine's series come from its own process, beside the HTTP process's counter
+    assert "dllm_model_calls_total" in r.text and "dllm_kv_bytes_in_use" in r.text
+    assert health == {"status": "ok", "engine_pid": health["engine_pid"]}
+    assert parent_pid(health["engine_pid"]) == server.proc.pid      # the server's child
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.mark.parametrize("dllm", [
@@ -580,6 +589,112 @@ def test_sigterm_drains_and_exits_0():
         assert server.proc.wait(WAIT) == 0
     finally:
         server.kill()
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health():
+    """SIGKILL the engine process mid-answer: that answer ends with a 500 error
+    event, /health and new requests answer 503, and SIGTERM still exits 0."""
+    import os
+    import signal
+
+    from dllm_ops.serve.spawn import ServerProcess
+    server = ServerProcess(MODEL, SERVER_FLAGS, ready_timeout=WAIT)
+    try:
+        with http() as c:
+            pid = c.get(server.url + "/health").json()["engine_pid"]
+            with c.stream("POST", server.url + "/v1/completions", json=slow_body(stream=True)) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                os.kill(pid, signal.SIGKILL)
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            err = json.loads(rest[-2][6:])["error"]
+            assert err["code"] == "decode_failed" and "the engine process exited" in err["message"]
+            health = c.get(server.url + "/health")
+            assert health.status_code == 503 and health.json() == {"status": "engine_failed"}
+            refused = c.post(server.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": "1 2", "max_tokens": 4})
+            assert refused.status_code == 503
+            assert "the engine is not running" in error_of(refused)["message"]
+        assert server.terminate(WAIT) == 0
+    finally:
+        server.kill()
+
+
+def test_engine_thread_serves_the_same_answers(model):
+    """``--engine-thread``: one process, the same answers."""
+    from dllm_ops.serve.spawn import ServerProcess
+    openai = pytest.importorskip("openai")
+    with ServerProcess(MODEL, SERVER_FLAGS + ["--engine-thread"], ready_timeout=WAIT) as s:
+        with http() as c:
+            assert c.get(s.url + "/health").json() == {"status": "ok"}
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", timeout=WAIT, max_retries=0)
+        prompt = suite_prompt(1)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32)
+        assert out.choices[0].text == expected(model, 32, prompt=prompt)[0]
+
+
+# ---- the engine process on its own ------------------------------------------------------------
+
+def engine_spec(**engine):
+    from dllm_ops.serve.engine_process import EngineSpec
+    return EngineSpec(model=MODEL, dtype="fp32", device="cpu", threads=1, engine=engine,
+                      log_level="warning")
+
+
+def test_engine_process_raises_the_engines_own_refusals(model):
+    """What ``Engine.submit`` raises in the child is raised in the parent, with
+    its class and fields; a load error is raised by ``start``."""
+    from dllm_ops.errors import CheckpointError, DllmOpsError
+    from dllm_ops.serve.admission import QueueFull, check_request
+    from dllm_ops.serve.engine_process import EngineProcess, EngineSpec
+    from dllm_ops.serve.requests import Request
+    config = server_defaults().replace(shape=server_defaults().shape.replace(gen_length=16))
+    with pytest.raises(CheckpointError, match="nowhere"):
+        EngineProcess(EngineSpec(model="/nowhere/at/all")).start()
+    engine = EngineProcess(engine_spec(max_queue=0))
+    assert engine.metric_families() == []          # not started: nothing to read
+    engine.start()
+    try:
+        with pytest.raises(ServeError) as e:
+            engine.submit(Request(prompt_ids=[1, 2], config=config, max_tokens=17), print)
+        assert (e.value.param, e.value.status) == ("max_tokens", 400)
+        out_of_vocab = Request(prompt_ids=[model.config.vocab_size + 5], config=config, max_tokens=16)
+        with pytest.raises(DllmOpsError) as e:     # the decode's own check, its own class
+            engine.submit(out_of_vocab, print)
+        with pytest.raises(DllmOpsError) as here:
+            check_request(model, out_of_vocab, None)
+        assert type(e.value) is type(here.value) and str(e.value) == str(here.value)
+        assert not isinstance(here.value, ServeError)
+        with pytest.raises(QueueFull) as e:        # max_queue 0: every request
+            engine.submit(Request(prompt_ids=[1, 2], config=config, max_tokens=16), print)
+        assert e.value.status == 429 and e.value.retry_after >= 1
+        names = {f.name for f in engine.metric_families()}
+        assert "dllm_model_calls" in names and "dllm_queue_depth" in names
+    finally:
+        assert engine.shutdown(WAIT)
+    assert not engine.alive
+    with pytest.raises(ServeError, match="not running"):
+        engine.submit(Request(prompt_ids=[1, 2], config=config, max_tokens=16), print)
+
+
+def test_portable_error_keeps_what_pickles():
+    from dllm_ops.errors import ConfigError
+    from dllm_ops.serve.admission import QueueFull
+    from dllm_ops.serve.engine_process import portable_error
+
+    class NeedsAField(ServeError):
+        def __init__(self, message, *, field):
+            super().__init__(message, param=field, code="odd", status=409)
+
+    kept = portable_error(QueueFull("full", retry_after=7.0))
+    assert isinstance(kept, QueueFull) and kept.retry_after == 7.0
+    assert isinstance(portable_error(ConfigError("bad")), ConfigError)
+    rebuilt = portable_error(NeedsAField("odd one", field="x"))
+    assert type(rebuilt) is ServeError and (rebuilt.param, rebuilt.code, rebuilt.status) == ("x", "odd", 409)
+    assert str(rebuilt).endswith("odd one")
+    bug = portable_error(type("Local", (RuntimeError,), {})("boom"))
+    assert type(bug) is ServeError and bug.status == 500 and "Local: boom" in str(bug)
 
 
 # ---- the app in-process over a real engine (faults, timeouts, draining) --------------------

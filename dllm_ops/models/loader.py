@@ -228,6 +228,21 @@ def load_tokenizer(path: str):
         raise CheckpointError(f"{path}: the tokenizer failed to load: {e}") from e
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a resolved checkpoint folder's config.json (no weights)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{cfg_path} not found")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: not a JSON object")
+    return from_hf_config(raw, cfg_path)
+
+
 def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
          tokenizer: bool = True, revision: str | None = None) -> DiffusionLM:
     """Load a LLaDA or Dream checkpoint folder, a shipped model by name
@@ -241,17 +256,7 @@ def load(path: str, dtype: torch.dtype = torch.bfloat16, device="cpu",
         raise CheckpointError(f"dtype {dtype} is not supported; the kernels run in "
                               f"{', '.join(str(d).replace('torch.', '') for d in MODEL_DTYPES)}")
     path = resolve_checkpoint(path, revision)
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{cfg_path} not found")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: not a JSON object")
-    config = from_hf_config(raw, cfg_path)
+    config = read_model_config(path)
     names = param_names(config)
     files = _weight_files(path)
     missing = [n for n in names.values() if n not in files]

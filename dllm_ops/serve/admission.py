@@ -34,7 +34,7 @@ from .requests import Request
 class QueueFull(ServeError):
     """The wait queue is full (HTTP 429); ``retry_after`` is a hint in seconds."""
 
-    def __init__(self, message: str, *, retry_after: float):
+    def __init__(self, message: str, *, retry_after: float = 1.0):   # a default: it pickles
         super().__init__(message, code="queue_full", status=429)
         self.retry_after = retry_after
 

@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (request fields: dllm_ops/serve/protocol.py),
-``GET /health`` (200, or 503 while draining) and ``GET /metrics``
+``GET /health`` (200, with ``engine_pid`` when the engine runs in a process
+of its own; 503 while draining or once that process died) and ``GET /metrics``
 (Prometheus text). Errors are OpenAI bodies ``{"error": {"message", "type",
 "param", "code"}}``: 400 for a bad request, 404 for another model's name or
 path, 429 with ``Retry-After`` when the engine's queue is full, 500 for a
@@ -125,12 +126,12 @@ class _App:
                              f"{self.model_name!r}", param="model", code="model_not_found", status=404)
         return prepare(req, self.tokenizer, self.defaults, self.context_length)
 
-    def submit(self, job: DecodeJob, request_id: str, events: _EventQueue):
+    async def submit(self, job: DecodeJob, request_id: str, events: _EventQueue):
         request = EngineRequest(prompt_ids=job.prompt_ids, config=job.config,
-                                     max_tokens=job.max_tokens, timeout_s=self.request_timeout,
-                                     request_id=request_id)
+                                max_tokens=job.max_tokens, timeout_s=self.request_timeout,
+                                request_id=request_id)
         try:
-            return self.engine.submit(request, events)
+            return await self.engine.asubmit(request, events)
         except ServeError:   # QueueFull (429), EngineStopped (503), a refused request (400)
             raise
         except DllmOpsError as e:   # the decode's own checks (the prompt, the configuration)
@@ -141,7 +142,7 @@ class _App:
             job = await self.job(request, kind)
             request_id = uuid.uuid4().hex
             events = _EventQueue(asyncio.get_running_loop())
-            handle = self.submit(job, request_id, events)
+            handle = await self.submit(job, request_id, events)
         except ServeError as e:
             return self.error(e)
         shape = ResponseShape(chat=chat, request_id=request_id, model=self.model_name,
@@ -269,13 +270,17 @@ def create_app(engine, tokenizer, model_name: str, defaults: DecodeConfig, *, co
     async def health():
         if state.draining:
             return JSONResponse({"status": "draining", **(replica or {})}, status_code=503)
-        return {"status": "ok", **(replica or {})}
+        if not engine.alive:   # an engine process that died: nothing can be answered
+            return JSONResponse({"status": "engine_failed", **(replica or {})}, status_code=503)
+        pid = getattr(engine, "pid", None)   # an engine process's
+        return {"status": "ok", **({"engine_pid": pid} if pid is not None else {}), **(replica or {})}
 
     @app.get("/metrics")
     async def metrics_text():
         if metrics is None:
             return PlainTextResponse("")
-        return Response(metrics.render(), media_type=metrics.content_type)
+        # off the event loop: an engine in another process is asked for its series
+        return Response(await asyncio.to_thread(metrics.render), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models():

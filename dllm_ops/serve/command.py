@@ -2,7 +2,7 @@
 
     python -m dllm_ops serve --model PATH|tiny-llada|tiny-dream [--host 127.0.0.1] [--port 8000]
         [--max-running N] [--kv-budget BYTES] [--max-queue N] [--request-timeout S]
-        [--drain-timeout S] [--served-model-name NAME] [--no-stacking]
+        [--drain-timeout S] [--served-model-name NAME] [--no-stacking] [--engine-thread]
         [--config FILE.json] [--cache ...] [--threshold ...] [--set KEY=VALUE ...]
         [--dtype ...] [--device ...] [--threads N]
         [--ray --replicas N [--gpus-per-replica G] [--cpus-per-replica C] [--ray-address ADDR]]
@@ -16,6 +16,11 @@ SIGTERM drains: new requests get 503, uvicorn waits up to ``--drain-timeout``
 for the answers in flight, the engine is shut down with the same bound, and
 the process exits 0. SIGINT (Ctrl+C) does the same and then exits as
 interrupted.
+
+The engine (the model and the decode loop) runs in a process of its own
+(dllm_ops/serve/engine_process.py; this process reads only the checkpoint's
+config.json and tokenizer); ``--engine-thread`` keeps it in a thread of the
+HTTP process.
 
 With ``--ray``, Ray Serve runs ``--replicas`` copies of this server
 (dllm_ops/serve/replicas.py); the flags mean the same for each replica.
@@ -43,6 +48,10 @@ def add_server_arguments(p) -> None:
     p.add_argument("--no-stacking", dest="stacking", action="store_false",
                    help="run every request on its own decoder instead of stacking the requests "
                         "of a cohort into one decode state (dllm_ops/serve/stacked.py; for comparisons)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine in a thread of the HTTP process (the default is a process "
+                        "of its own, so HTTP and decoding each have a core: "
+                        "dllm_ops/serve/engine_process.py)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("replicas under Ray Serve (pip install '.[ray]'; dllm_ops/serve/replicas.py)")
     r.add_argument("--ray", action="store_true",
@@ -60,26 +69,57 @@ def served_model_name(model_arg: str) -> str:
     return os.path.basename(os.path.normpath(model_arg))
 
 
-def serve(args, model, defaults) -> int:
+def _engine_kwargs(args) -> dict:
+    return dict(max_running=args.max_running, kv_budget=args.kv_budget, max_queue=args.max_queue,
+                stacking=args.stacking)
+
+
+def _engine_in_thread(args):
+    """``(engine, tokenizer, context length, metrics)`` with the model in this process."""
+    from ..model_flags import load_model
+    from .engine import Engine
+    from .metrics import ServerMetrics
+
+    model, _, _ = load_model(args)
+    metrics = ServerMetrics()
+    engine = Engine(model, model.tokenizer, metrics=metrics, **_engine_kwargs(args))
+    return engine, model.tokenizer, model.config.max_seq_len, metrics
+
+
+def _engine_in_process(args):
+    """The same with the model in a child process; this one reads only the
+    checkpoint's config.json and tokenizer."""
+    from ..model_flags import load_front
+    from .engine_process import EngineProcess, EngineSpec
+
+    tokenizer, model_config = load_front(args)
+    spec = EngineSpec(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                      engine=_engine_kwargs(args), log_level=args.log_level)
+    engine = EngineProcess(spec)
+    engine.start()   # the model loads (or fails to) before the server listens
+    return engine, tokenizer, model_config.max_seq_len, engine.metrics
+
+
+def serve(args, defaults) -> int:
     """Run the server until SIGTERM / SIGINT; 0 after a drain."""
     import uvicorn
 
     from .app import create_app
     from .draining import DrainingServer
-    from .engine import Engine
-    from .metrics import ServerMetrics
 
-    metrics = ServerMetrics()
-    engine = Engine(model, model.tokenizer, max_running=args.max_running, kv_budget=args.kv_budget,
-                    max_queue=args.max_queue, metrics=metrics, stacking=args.stacking)
-    app = create_app(engine, model.tokenizer, args.served_model_name or served_model_name(args.model),
-                     defaults, context_length=model.config.max_seq_len, metrics=metrics,
-                     request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=args.drain_timeout)
-    server = DrainingServer(config, app.state.serving)
-    server.run()
+    engine, tokenizer, context_length, metrics = (_engine_in_thread if args.engine_thread
+                                                  else _engine_in_process)(args)
+    try:
+        app = create_app(engine, tokenizer, args.served_model_name or served_model_name(args.model),
+                         defaults, context_length=context_length, metrics=metrics,
+                         request_timeout=args.request_timeout, drain_timeout=args.drain_timeout)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=args.drain_timeout)
+        server = DrainingServer(config, app.state.serving)
+        server.run()
+    finally:
+        engine.shutdown(0.0)   # a no-op after the app's drain; a server that never started
     if not server.started:
         raise RuntimeError(f"the server did not start on {args.host}:{args.port} (see the log above)")
     return 0

@@ -168,6 +168,16 @@ class Engine:
             self._cv.notify_all()
         return SequenceHandle(seq, self)
 
+    async def asubmit(self, request: Request, on_event: Callable) -> SequenceHandle:
+        """:meth:`submit` for the HTTP layer's event loop (which also drives an
+        engine in another process: dllm_ops/serve/engine_process.py)."""
+        return self.submit(request, on_event)
+
+    @property
+    def alive(self) -> bool:
+        """The loop runs, or has not been started (False once it stopped)."""
+        return self._thread is None or self._thread.is_alive()
+
     def retry_after(self) -> float:
         """Seconds a refused client should wait: the recent request latency, at least 1."""
         return max(1.0, self._latency_ema or 1.0)

@@ -5,7 +5,10 @@ the Prometheus text format. The engine updates all of them but the requests
 counter, which the HTTP layer increments once per answered request with the
 status it returned (``metrics.requests.labels(status="200").inc()``).
 Each instance has its own ``CollectorRegistry``, so several engines (tests)
-never share a series.
+never share a series. With the engine in a process of its own
+(dllm_ops/serve/engine_process.py), the HTTP process holds
+``ServerMetrics(engine_series=False)`` (the requests counter) and the
+engine's series are read from the child at each scrape.
 """
 from __future__ import annotations
 
@@ -23,10 +26,14 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, engine_series: bool = True):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("dllm_requests", "HTTP requests answered, by status",
                                 ["status"], registry=r)
+        if engine_series:
+            self._add_engine_series(r)
+
+    def _add_engine_series(self, r: CollectorRegistry) -> None:
         self.queue_depth = Gauge("dllm_queue_depth", "Requests waiting for admission", registry=r)
         self.running = Gauge("dllm_running_sequences", "Sequences decoding", registry=r)
         self.stacked = Gauge("dllm_stacked_sequences",
