@@ -2,7 +2,7 @@
 
     python -m bench serve --spawn tiny-llada [--requests 32] [--concurrency 1 4 16 64]
                           [--time-limit 120] [--threads N] [--device cpu|cuda] [--no-stacking]
-                          [--json FILE]
+                          [--engine-thread] [--json FILE]
     python -m bench serve --url http://127.0.0.1:8000 --model tiny-llada   (a server already up)
 
 Bounded and loopback only: each concurrency level sends a fixed number of
@@ -27,7 +27,8 @@ the CPU by default) and stops it with SIGTERM; the ``generate`` baseline runs
 on the same device.
 
 Where the CPU goes, per answered request (milliseconds): ``srv_cpu`` the
-server process's CPU time (Linux ``/proc``, ``--spawn`` only), ``engine``
+server's CPU time (Linux ``/proc``, ``--spawn`` only: the server process and
+its engine process), ``eng_cpu`` the engine process's part of it, ``engine``
 the wall time of its engine calls (``dllm_model_call_seconds_sum`` from
 ``/metrics``: plan, fused forward and commit, one at a time), and
 ``cli_cpu`` this load generator's own CPU time. The server's CPU outside the
@@ -200,6 +201,39 @@ def process_cpu_s(pid: int | None = None) -> float | None:
         return None
 
 
+def tree_cpu_s(pid: int) -> float | None:
+    """:func:`process_cpu_s` of ``pid`` plus every live descendant's (the
+    server's engine process), or None where ``/proc`` cannot tell."""
+    own = process_cpu_s(pid)
+    if own is None:
+        return None
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):   # a process that just ended
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = own, list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        total += process_cpu_s(p) or 0.0
+        todo.extend(children.get(p, []))
+    return total
+
+
+def engine_pid(url: str) -> int | None:
+    """The engine process's pid from ``GET /health`` (None: an engine thread, or unreadable)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return json.loads(r.read()).get("engine_pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def engine_call_s(url: str) -> float | None:
     """The server's summed engine-call seconds from ``GET /metrics`` (None if unreadable)."""
     import urllib.request
@@ -217,19 +251,23 @@ class CpuMeter:
 
     def __init__(self, url: str, server_pid: int | None):
         self.url, self.pid = url, server_pid
+        self.engine_pid = engine_pid(url) if server_pid is not None else None
 
     def _read(self):
-        return (process_cpu_s(), None if self.pid is None else process_cpu_s(self.pid),
+        return (process_cpu_s(), None if self.pid is None else tree_cpu_s(self.pid),
+                None if self.engine_pid is None else process_cpu_s(self.engine_pid),
                 engine_call_s(self.url))
 
     def start(self) -> None:
         self.before = self._read()
 
     def per_request(self, n_ok: int) -> dict:
-        """Milliseconds per answered request: ``cli_cpu_ms``, ``srv_cpu_ms``, ``engine_ms``
+        """Milliseconds per answered request: ``cli_cpu_ms``, ``srv_cpu_ms`` (the
+        server's processes), ``eng_cpu_ms`` (its engine process's share), ``engine_ms``
         (each left out where it could not be read)."""
         after, out = self._read(), {}
-        for key, b, a in zip(("cli_cpu_ms", "srv_cpu_ms", "engine_ms"), self.before, after):
+        keys = ("cli_cpu_ms", "srv_cpu_ms", "eng_cpu_ms", "engine_ms")
+        for key, b, a in zip(keys, self.before, after):
             if a is not None and b is not None and n_ok:
                 out[key] = 1e3 * (a - b) / n_ok
         return out
@@ -269,7 +307,8 @@ COLUMNS = [("concurrency", "conc", "d"), ("requests", "reqs", "d"), ("ok", "ok",
            ("ttft_p50_ms", "ttft50", ".0f"), ("ttft_p99_ms", "ttft99", ".0f"),
            ("gap_p50_ms", "gap50", ".0f"), ("gap_p99_ms", "gap99", ".0f"),
            ("lat_p50_ms", "lat50", ".0f"), ("lat_p99_ms", "lat99", ".0f"),
-           ("srv_cpu_ms", "srv_cpu", ".2f"), ("engine_ms", "engine", ".2f"), ("cli_cpu_ms", "cli_cpu", ".2f")]
+           ("srv_cpu_ms", "srv_cpu", ".2f"), ("eng_cpu_ms", "eng_cpu", ".2f"), ("engine_ms", "engine", ".2f"),
+           ("cli_cpu_ms", "cli_cpu", ".2f")]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -313,6 +352,8 @@ def cmd_serve(args) -> int:
             extra += ["--threads", str(args.threads)]
         if not args.stacking:
             extra += ["--no-stacking"]
+        if args.engine_thread:
+            extra += ["--engine-thread"]
         server = ServerProcess(args.spawn, extra, ready_timeout=args.time_limit)
         url, served = server.url, args.served_model_name or args.spawn
     else:
@@ -343,7 +384,8 @@ def cmd_serve(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(url=url, model=served, setting=SETTING, block_length=BLOCK_LENGTH,
                            sequential_req_s=seq_req_s, device=args.device,
-                           stacking=args.stacking if args.spawn else None, rows=rows), f, indent=2)
+                           stacking=args.stacking if args.spawn else None,
+                           engine_thread=args.engine_thread if args.spawn else None, rows=rows), f, indent=2)
     return 0
 
 
@@ -363,5 +405,7 @@ def add_parser(sub) -> None:
                    help="where the spawned server and the generate baseline run")
     p.add_argument("--no-stacking", dest="stacking", action="store_false",
                    help="spawn the server with --no-stacking (every request its own decoder)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="spawn the server with --engine-thread (its engine in the HTTP process)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.set_defaults(func=cmd_serve)

@@ -271,15 +271,41 @@ def test_process_cpu_reads_proc_and_rusage():
     assert process_cpu_s(2 ** 22 + 12345) is None                            # no such process
 
 
+def test_tree_cpu_adds_the_descendants():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from bench.serve import process_cpu_s, tree_cpu_s
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        deadline = time.monotonic() + 30
+        while (process_cpu_s(child.pid) or 0) < 0.3:
+            assert time.monotonic() < deadline, "the child did not burn its CPU"
+            time.sleep(0.05)
+        own, child_cpu = process_cpu_s(os.getpid()), process_cpu_s(child.pid)
+        assert tree_cpu_s(os.getpid()) >= own + child_cpu - 0.02     # ticks: 10 ms each
+        assert tree_cpu_s(child.pid) == pytest.approx(child_cpu, abs=0.02)
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_cpu_s(2 ** 22 + 12345) is None
+
+
 def test_cpu_meter_reports_milliseconds_per_answered_request(monkeypatch):
     from bench import serve
-    readings = iter([(1.0, 10.0, 2.0), (1.5, 12.0, 2.8)])
+    readings = iter([(1.0, 10.0, 6.0, 2.0), (1.5, 12.0, 7.0, 2.8)])
     monkeypatch.setattr(serve.CpuMeter, "_read", lambda self: next(readings))
     meter = serve.CpuMeter("http://127.0.0.1:1", 123)
+    assert meter.engine_pid is None                                        # nothing listens there
     meter.start()
     got = meter.per_request(4)
-    assert got == pytest.approx(dict(cli_cpu_ms=125.0, srv_cpu_ms=500.0, engine_ms=200.0))
-    readings = iter([(1.0, None, None), (2.0, None, 5.0)])
+    assert got == pytest.approx(dict(cli_cpu_ms=125.0, srv_cpu_ms=500.0, eng_cpu_ms=250.0, engine_ms=200.0))
+    readings = iter([(1.0, None, None, None), (2.0, None, None, 5.0)])
     meter.start()
     assert meter.per_request(2) == pytest.approx(dict(cli_cpu_ms=500.0))   # unreadable ones left out
     assert serve.engine_call_s("http://127.0.0.1:9") is None               # nothing listens there
