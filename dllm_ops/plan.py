@@ -64,13 +64,23 @@ def mask_to_idx_counts(mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         return idx, [idx.shape[1]]
     counts = mask.sum(1)
     n = counts.tolist()
-    width = max(n, default=0)
+    return _sorted_positions(mask, counts, max(n, default=0)), n
+
+
+def masks_to_idx_counts(*masks: torch.Tensor) -> list[tuple[torch.Tensor, list[int]]]:
+    """:func:`mask_to_idx_counts` of several ``[B, T]`` masks, with one host read for all."""
+    counts = torch.stack([m.sum(1) for m in masks])
+    return [(_sorted_positions(m, c, max(n, default=0)), n)
+            for m, c, n in zip(masks, counts, counts.tolist())]
+
+
+def _sorted_positions(mask: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
     pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     # Sort key pushes unselected positions to the end while keeping order.
     key = torch.where(mask, pos, pos + mask.shape[1])
     order = key.sort(1).values[:, :width]
     keep = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
-    return torch.where(keep, order, torch.full_like(order, -1)), n
+    return torch.where(keep, order, torch.full_like(order, -1))
 
 
 @dataclass

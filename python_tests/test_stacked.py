@@ -224,6 +224,20 @@ def test_what_stacks_and_what_runs_its_own_decoder(models):
     assert canvas_width(llada, 250) == 256 and canvas_width(llada, 256) == 256
 
 
+def test_masks_to_idx_counts_equals_each_mask_alone():
+    """The cohort's plan reads both masks' counts at once; each result is the
+    mask's own ``mask_to_idx_counts`` (an empty row and one row included)."""
+    from dllm_ops.plan import mask_to_idx_counts, masks_to_idx_counts
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5):
+        run = torch.rand(rows, 37, generator=g) < 0.6
+        run[-1] = False if rows > 1 else run[-1]
+        want = run & (torch.rand(rows, 37, generator=g) < 0.3)
+        for (idx, counts), mask in zip(masks_to_idx_counts(run, want), (run, want)):
+            alone, alone_counts = mask_to_idx_counts(mask)
+            assert torch.equal(idx, alone) and counts == alone_counts == mask.sum(1).tolist()
+
+
 def test_slots_follow_the_rows(models):
     """The slab grows a slot when a row joins a full one, keeps a left slot for the
     next row, moves the last row into a hole, and is freed when the cohort empties."""
@@ -244,7 +258,9 @@ def test_slots_follow_the_rows(models):
     assert torch.equal(stack.v[3][0], moved[2])
     stack.add(3, PROMPTS[3], cfg)                          # takes the idle slot
     assert stack.nbytes() == 3 * slot and stack.index(3) == 2
-    assert not stack.key_valid[2, len(PROMPTS[3]) + 16:].any() and stack.key_valid[2, :len(PROMPTS[3]) + 16].all()
+    stack.ready()
+    valid = stack.begin_call().cache.key_valid            # the joining row's own columns only
+    assert not valid[2, len(PROMPTS[3]) + 16:].any() and valid[2, :len(PROMPTS[3]) + 16].all()
     # (its K/V slot keeps the left row's values: its first call writes every column it reads)
     for owner in (1, 2, 3):
         stack.remove(owner)

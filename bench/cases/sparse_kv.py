@@ -147,6 +147,44 @@ for _Q in (32, 768):
     ))
 
 
+# A server cohort's layer (dllm_ops/serve/stacked.py): 16 rows of unequal
+# query and key counts in one launch, against one launch per row (what the
+# cohort ran before the counts) and the oracle.
+_ROWS, _ROW_Q = 16, 32
+
+
+def _ragged_inputs(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(_ROWS, _ROW_Q, H, D, generator=g).to(device=device, dtype=dtype)
+    kc = torch.randn(_ROWS, H_KV, T, D, generator=g).to(device=device, dtype=dtype)
+    vc = torch.randn(_ROWS, H_KV, T, D, generator=g).to(device=device, dtype=dtype)
+    queries = torch.randint(1, _ROW_Q + 1, (_ROWS,), generator=g).tolist()
+    keys = torch.randint(T // 2, T + 1, (_ROWS,), generator=g).tolist()
+    return q, kc, vc, queries, keys
+
+
+def _per_row_launches(q, kc, vc, queries, keys):
+    return [dllm_ops.sparse_attention(q[b:b + 1, :n], kc[b:b + 1, :, :t], vc[b:b + 1, :, :t], None,
+                                      D ** -0.5, False) for b, (n, t) in enumerate(zip(queries, keys))]
+
+
+def _ragged_bytes(a):
+    q, kc, vc, queries, keys = a
+    row_q = q[0, 0].numel() * q.element_size()                 # one query's heads
+    row_k = kc[0, :, 0].numel() * kc.element_size()            # one key's heads
+    return sum(2 * n * row_q + 2 * t * row_k for n, t in zip(queries, keys))
+
+
+register(Case(
+    op="sparse_attention", shape=f"{_ROWS}rows<=Q{_ROW_Q}xH{H}xd{D}/T<={T}+counts", make=_ragged_inputs,
+    run=lambda q, kc, vc, n, t: dllm_ops.sparse_attention(q, kc, vc, None, D ** -0.5, False, n, t),
+    baselines={"reference": lambda q, kc, vc, n, t: reference.sparse_attention(
+                   q, kc, vc, None, D ** -0.5, False, n, t),
+               "per_row": _per_row_launches},
+    nbytes=_ragged_bytes, dtypes=(torch.bfloat16, torch.float32),
+))
+
+
 # ---- gather_rows / scatter_rows ---------------------------------------------------------
 
 C = 4096  # LLaDA-8B hidden size

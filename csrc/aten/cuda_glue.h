@@ -183,14 +183,20 @@ struct SplitKvPlan {
   at::Tensor workspace;
 };
 
+// The fp32 split-KV workspace of `splits` chunks over `rows` query rows on q's
+// device (undefined for one pass).
+inline at::Tensor split_kv_workspace(const at::Tensor& q, int splits, int64_t rows, int64_t d) {
+  if (splits <= 1) return at::Tensor();
+  return at::empty({cuda::attention_split_workspace_floats(splits, rows, d)},
+                   q.options().dtype(at::kFloat));
+}
+
 inline SplitKvPlan plan_split_kv(const char* op, const at::Tensor& q, int64_t B, int64_t Q,
                                  int64_t H, int64_t H_kv, int64_t T, int64_t d) {
   SplitKvPlan plan;
   plan.splits = cuda::attention_key_splits_for(B, Q, H, H_kv, T, static_cast<int>(d),
                                                attention_sm_count(op, q));
-  if (plan.splits > 1)
-    plan.workspace = at::empty({cuda::attention_split_workspace_floats(plan.splits, B * Q * H, d)},
-                               q.options().dtype(at::kFloat));
+  plan.workspace = split_kv_workspace(q, plan.splits, B * Q * H, d);
   return plan;
 }
 

@@ -158,6 +158,18 @@ struct KeyChunks {
   }
 };
 
+// T keys cut into at most `splits` chunks of whole key tiles: how many chunks,
+// and keys per chunk (the last may be shorter).
+struct KeySplit {
+  int chunks, chunk_keys;
+};
+template <int DCH>
+inline KeySplit attn_key_split(int64_t T, int splits) {
+  constexpr int BK = AttnTile<DCH>::kKeys;
+  const ChunkShape c = whole_tile_chunks(ceil_div(T, BK), splits);
+  return {static_cast<int>(c.chunks), static_cast<int>(c.tiles_per_chunk * BK)};
+}
+
 // The chunks of a launch asking for `splits` (1, or no workspace: one pass).
 template <int DCH>
 inline KeyChunks attn_key_chunks(int B, int Q, int H, int H_kv, int T, int d, int splits,
@@ -166,11 +178,9 @@ inline KeyChunks attn_key_chunks(int B, int Q, int H, int H_kv, int T, int d, in
   const int64_t rows = static_cast<int64_t>(B) * Q * H;
   if (splits <= 1 || workspace == nullptr)
     return KeyChunks{static_cast<int>(row_tiles), 1, T, rows, nullptr, nullptr};
-  constexpr int BK = AttnTile<DCH>::kKeys;
-  const ChunkShape c = whole_tile_chunks(ceil_div(T, BK), splits);
-  return KeyChunks{static_cast<int>(row_tiles), static_cast<int>(c.chunks),
-                   static_cast<int>(c.tiles_per_chunk * BK), rows, workspace,
-                   workspace + c.chunks * rows * d};
+  const KeySplit c = attn_key_split<DCH>(T, splits);
+  return KeyChunks{static_cast<int>(row_tiles), c.chunks, c.chunk_keys, rows, workspace,
+                   workspace + static_cast<int64_t>(c.chunks) * rows * d};
 }
 
 // The plan of one batch row of Q queries over T keys, as a launch of that row
@@ -185,10 +195,9 @@ inline RowPlan attention_row_plan(int64_t Q, int64_t H, int64_t H_kv, int64_t T,
   const int splits = attention_key_splits_for(1, Q, H, H_kv, T, d, sm_count);
   if (splits <= 1) return p;
   with_head_dim_chunks(d, [&](auto dch) {
-    constexpr int BK = AttnTile<decltype(dch)::value>::kKeys;
-    const ChunkShape c = whole_tile_chunks(ceil_div(T, BK), splits);
-    p.chunk_keys = static_cast<int>(c.tiles_per_chunk * BK);
-    p.chunks = static_cast<int>(c.chunks);
+    const KeySplit c = attn_key_split<decltype(dch)::value>(T, splits);
+    p.chunks = c.chunks;
+    p.chunk_keys = c.chunk_keys;
   });
   return p;
 }

@@ -105,9 +105,7 @@ RowPlans plan_rows(const char* op, const at::Tensor& q, int64_t B, int64_t Q, in
                                         row_count(key_counts, b, T), static_cast<int>(d), sms);
     r.split.splits = std::max(r.split.splits, plans[b].chunks);
   }
-  if (r.split.splits > 1)
-    r.split.workspace = at::empty({cuda::attention_split_workspace_floats(r.split.splits, B * Q * H, d)},
-                                  q.options().dtype(at::kFloat));
+  r.split.workspace = split_kv_workspace(q, r.split.splits, B * Q * H, d);
   r.on_device = host.to(q.device(), /*non_blocking=*/true);
   return r;
 }

@@ -168,27 +168,30 @@ class _PackedTokens:
         return torch.cat(flat)[None]
 
 
-def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor, out: torch.Tensor,
-                            packed: _PackedTokens, full: list[int], calls: dict) -> None:
+def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
+                            packed: _PackedTokens, full: list[int], calls: dict) -> torch.Tensor:
     """The attention branch of the parts in ``full`` (no DARE rule: every running
-    row recomputes), written into ``out``: the q/k/v projections run once over
-    all their packed rows, each part writes its K/V and attends on its own
-    cache, and the output projection runs once over all of them. The same
-    ``token_linear`` GEMMs as :func:`full_attention` run alone, so each row gets
-    its own bits; a part whose write or attention raises fails alone."""
-    rows = torch.cat([torch.arange(packed.span(i).start, packed.span(i).stop, device=a.device)
-                      for i in full]) if len(full) < len(packed.parts) else None
+    row recomputes), as ``[1, tokens, C]`` (zeros at the other parts' rows):
+    the q/k/v projections run once over all their packed rows, each part
+    writes its K/V and attends on its own cache, and the output projection
+    runs once over all of them. The same ``token_linear`` GEMMs as
+    :func:`full_attention` run alone, so each row gets its own bits; a part
+    whose write or attention raises fails alone."""
+    every = len(full) == len(packed.parts)
+    rows = None if every else torch.cat([torch.arange(packed.span(i).start, packed.span(i).stop,
+                                                      device=a.device) for i in full])
     a_full = a[0] if rows is None else a[0, rows]
+    out = None
     try:
         q, k, v = token_linears((layer.q, layer.k, layer.v), a_full)
     except Exception:   # noqa: BLE001 -- find the parts that fail alone
+        out = torch.zeros_like(a)
         for i in full:
             value = packed.guarded(i, lambda: full_attention(model, li, layer, packed.part(a, i), calls[i]))
             if value is not None:
                 packed.put(out, i, value)
-        return
-    pre_o = torch.zeros((a_full.shape[0], q.shape[-1]), dtype=q.dtype, device=q.device)
-    at, done = 0, []
+        return out
+    at, done, values = 0, [], []
     for i in full:
         n = packed.count[i]
         rows_i = slice(at, at + n)
@@ -197,17 +200,27 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
             model, li, packed.expand(i, q[rows_i]), packed.expand(i, k[rows_i]),
             packed.expand(i, v[rows_i]), calls[i]))
         if value is not None:
-            pre_o[rows_i] = packed.compact(i, value)
             done.append((i, rows_i))
+            values.append(packed.compact(i, value))
+    if len(done) == len(full):   # every part's rows, in order: no zeros to fill
+        pre_o = values[0] if len(values) == 1 else torch.cat(values)
+    else:
+        pre_o = torch.zeros((a_full.shape[0], q.shape[-1]), dtype=q.dtype, device=q.device)
+        for (_, rows_i), value in zip(done, values):
+            pre_o[rows_i] = value
     try:
         o = token_linear(layer.o, pre_o)
     except Exception:   # noqa: BLE001 -- find the parts that fail alone
         o = None
+    if o is not None and every and len(done) == len(full):
+        return o[None]           # every packed token's row, in order
+    out = torch.zeros_like(a)
     for i, rows_i in done:
         value = o[rows_i] if o is not None else packed.guarded(
             i, lambda: token_linear(layer.o, pre_o[rows_i]))
         if value is not None:
             out[0, packed.span(i)] = value        # already the part's packed rows
+    return out
 
 
 @torch.no_grad()
@@ -228,10 +241,8 @@ def fused_step(model: DiffusionLM, parts: list[RowCall]) -> list[torch.Tensor | 
         rows[i] = packed.guarded(i, lambda: model.logit_rows(p.plan, p.x.shape[1]))
 
     def attention(li, layer, a):
-        out = torch.zeros_like(a)
         full = [i for i in packed.alive() if parts[i].reuse is None]
-        if full:
-            full_recompute_branches(model, li, layer, a, out, packed, full, calls)
+        out = full_recompute_branches(model, li, layer, a, packed, full, calls) if full else torch.zeros_like(a)
         for i in packed.alive():
             if parts[i].reuse is None:
                 continue

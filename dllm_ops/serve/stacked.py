@@ -9,7 +9,8 @@ K/V slab per layer ``[R, H_kv, W, d]``, each row at its own block and its own
 call of that block, and every step of a call runs once over all the rows:
 
 - the plan: ``[R, W]`` run / logits masks from per-row block bounds (the
-  Fast-dLLM policies' rules, written per row) and one ``mask_to_idx``;
+  Fast-dLLM policies' rules, written per row) and their positions with one
+  host read (``masks_to_idx_counts``);
 - the model call: one part of the engine's fused call
   (dllm_ops/serve/fused.py), i.e. one embedding gather, one K/V write and one
   attention launch per layer over the ``[R, Q_max]`` plan (−1 pads run no
@@ -60,7 +61,7 @@ from ..config import DecodeConfig
 from ..decode import call_flops, generated_count, make_sampling, up_to_eos
 from ..errors import DecodeError
 from ..models import DiffusionLM
-from ..plan import KVCache, StepPlan, mask_to_idx, mask_to_idx_counts
+from ..plan import KVCache, StepPlan, masks_to_idx_counts
 from ..reveal import build_reveal
 from ..stats import DecodeStats
 from .fused import RowCall
@@ -162,6 +163,7 @@ class StackedDecodes:
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
         self._cols = torch.arange(width, device=model.device)
+        self._block_offsets = self._cols[:self.block_length]
         self._allocate(0)
 
     # ---- rows joining and leaving --------------------------------------------------------
@@ -174,14 +176,13 @@ class StackedDecodes:
         c, dev = self.model.config, self.model.device
         W, n = self.width, len(self.rows)
         x = torch.full((capacity, W), c.pad_id, dtype=torch.long, device=dev)
-        valid = torch.zeros((capacity, W), dtype=torch.bool, device=dev)
         active = torch.zeros(capacity, dtype=torch.bool, device=dev)
         kv = torch.empty((2, c.n_layers, capacity, c.n_kv_heads, W, c.head_dim), dtype=self.model.dtype,
                          device=dev)
         if n:
-            x[:n], valid[:n], active[:n] = self.x[:n], self.key_valid[:n], self.active[:n]
+            x[:n], active[:n] = self.x[:n], self.active[:n]
             kv[:, :, :n] = self.kv[:, :, :n]
-        self.x, self.key_valid, self.active, self.kv = x, valid, active, kv
+        self.x, self.active, self.kv = x, active, kv
         self.k, self.v = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     def add(self, owner, prompt_ids: list[int], config: DecodeConfig) -> None:
@@ -194,7 +195,6 @@ class StackedDecodes:
             self._allocate(n + 1)
         canvas = list(prompt_ids) + [c.mask_id] * G + [c.pad_id] * (self.width - P - G)
         self.x[n] = torch.tensor(canvas, dtype=torch.long, device=self.x.device)
-        self.key_valid[n] = self._cols < P + G
         self.active[n] = True
         self.generators.append(torch.Generator(device="cpu").manual_seed(config.shape.seed))
         self.rows.append(StackedRow(owner, P, G, config.shape.blocks_to_decode))
@@ -204,7 +204,7 @@ class StackedDecodes:
         r = self.index(owner)
         last = len(self.rows) - 1
         if r != last:
-            for t in (self.x, self.key_valid, self.active):
+            for t in (self.x, self.active):
                 t[r] = t[last]
             self.kv[:, :, r] = self.kv[:, :, last]
             self.rows[r] = self.rows[last]
@@ -240,7 +240,7 @@ class StackedDecodes:
 
     def _block_columns(self, starts: torch.Tensor) -> torch.Tensor:
         """``[R, L]`` each row's block columns."""
-        return starts[:, None] + self._cols[:self.block_length]
+        return starts[:, None] + self._block_offsets
 
     def _block_candidates(self, block: torch.Tensor) -> torch.Tensor:
         """``[R, L]`` the masks of each row's block tokens ``block`` (its active rows')."""
@@ -283,7 +283,9 @@ class StackedDecodes:
         n, L, col = len(self.rows), self.block_length, self._cols
         x, active = self.x[:n], self.active[:n, None]
         starts = self._block_starts()[:, None]
-        valid = self.key_valid[:n] & active
+        lengths = [r.length for r in self.rows]
+        key_valid = col < torch.tensor(lengths, device=x.device)[:, None]   # rows are left-aligned
+        valid = key_valid & active
         in_block = (col >= starts) & (col < starts + L)
         first = torch.tensor([r.step == 0 for r in self.rows], device=x.device)[:, None]
         # The block start is a full forward (Policy.on_block_start); then the
@@ -298,13 +300,13 @@ class StackedDecodes:
         if self.model.config.logit_shift:
             want = torch.roll(want, -1, dims=1)
             want[:, -1] = False
-        run_idx, queries = mask_to_idx_counts(run)
-        plan = StepPlan(run_idx, mask_to_idx(want & run))
-        cache = SlabCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v],
-                          key_valid=self.key_valid[:n],
+        (run_idx, queries), (logits_idx, _) = masks_to_idx_counts(run, want & run)
+        plan = StepPlan(run_idx, logits_idx)
+        plan.n_tokens = sum(queries)   # (its cached property would read the plan back)
+        k, v = self.kv[:, :, :n].unbind(0)
+        cache = SlabCache(k=list(k.unbind(0)), v=list(v.unbind(0)), key_valid=key_valid,
                           # a row's RoPE positions are its columns (rows are left-aligned)
-                          positions=self._cols.expand(n, -1),
-                          row_lengths=[r.length for r in self.rows], queries=queries)
+                          positions=self._cols.expand(n, -1), row_lengths=lengths, queries=queries)
         return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
 
     def end_call(self, call: RowCall, logits: torch.Tensor) -> None:
