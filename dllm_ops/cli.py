@@ -246,12 +246,10 @@ def _model_config(name: str):
     """The ModelConfig of --model read from its config.json alone (no weights),
     or None when the checkpoint cannot be resolved or read: loading it then
     reports why (exit status 1)."""
-    from .models import from_hf_config, resolve_checkpoint
+    from .models import resolve_checkpoint
+    from .models.loader import read_model_config
     try:
-        path = resolve_checkpoint(name)
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-        return from_hf_config(raw, os.path.join(path, "config.json")) if isinstance(raw, dict) else None
+        return read_model_config(resolve_checkpoint(name))
     except (OSError, ValueError):   # CheckpointError / ModelConfigError are ValueErrors
         return None
 

@@ -21,7 +21,8 @@
 #   4. python -m bench ops --device cuda;
 #   5. python -m bench decode --synthetic llada-8b --layers 4 --device cuda;
 #   6. python -m bench serve --spawn tiny-llada --device cuda (the HTTP server
-#      under load on the GPU), where fastapi, uvicorn and httpx2 import: the
+#      under load on the GPU; then concurrency 1 and 16 again with
+#      --engine-thread, one process), where fastapi, uvicorn and httpx2 import: the
 #      image has none of them, so `make gpu-wheels` (here) writes them to .whl/,
 #      the run carries .whl and this script installs them into build/gpu-site
 #      (no index, no deps); without them the step says it was skipped.
@@ -97,6 +98,9 @@ SERVE_PATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if PYTHONPATH="$SERVE_PATH" "$PY" -c 'import fastapi, uvicorn, httpx2' 2>/dev/null; then
 step bench-serve env PYTHONPATH="$SERVE_PATH" "$PY" -m bench serve --spawn tiny-llada \
   --device cuda --requests 64 --concurrency 1 4 16 64 --time-limit 60
+# the same server with its engine in the HTTP process, for the split's A/B
+step bench-serve-engine-thread env PYTHONPATH="$SERVE_PATH" "$PY" -m bench serve --spawn tiny-llada \
+  --device cuda --requests 64 --concurrency 1 16 --time-limit 60 --engine-thread
 else
   echo "## bench-serve: skipped (fastapi, uvicorn or httpx2 missing: make gpu-wheels, carry .whl)" | tee -a "$REPORT"
 fi

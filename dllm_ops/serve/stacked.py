@@ -162,6 +162,7 @@ class StackedDecodes:
         self.sampling = make_sampling(model, config, self.generators)
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
+        self._table: torch.Tensor | None = None         # the rows' table of the call in flight
         self._cols = torch.arange(width, device=model.device)
         self._block_offsets = self._cols[:self.block_length]
         self._allocate(0)
@@ -278,16 +279,24 @@ class StackedDecodes:
             opening = [i for i, m in zip(opened, masked) if not m]
         return [self.rows[i].owner for i in sorted(over)]
 
+    def _row_table(self) -> torch.Tensor:
+        """``[4, R]``: each row's block start, 1 at its block's first call, its
+        canvas length and its prompt length, in one host-to-device copy (each
+        tensor made from a list is one, and on CUDA one sync)."""
+        rows = self.rows
+        return torch.tensor([[r.block_start for r in rows], [int(r.step == 0) for r in rows],
+                             [r.length for r in rows], [r.prompt_len for r in rows]], device=self.x.device)
+
     def begin_call(self) -> RowCall:
         """Every row's plan for this call (each row must be ready), as a part of the fused call."""
         n, L, col = len(self.rows), self.block_length, self._cols
         x, active = self.x[:n], self.active[:n, None]
-        starts = self._block_starts()[:, None]
-        lengths = [r.length for r in self.rows]
-        key_valid = col < torch.tensor(lengths, device=x.device)[:, None]   # rows are left-aligned
+        self._table = self._row_table()                 # end_call reads it too
+        starts, first, ends, _ = self._table[:, :, None].unbind(0)
+        key_valid = col < ends                          # rows are left-aligned
         valid = key_valid & active
         in_block = (col >= starts) & (col < starts + L)
-        first = torch.tensor([r.step == 0 for r in self.rows], device=x.device)[:, None]
+        first = first.bool()
         # The block start is a full forward (Policy.on_block_start); then the
         # policies of dllm_ops/policies/fastdllm.py, per row.
         if self.method == "none":
@@ -303,18 +312,23 @@ class StackedDecodes:
         (run_idx, queries), (logits_idx, _) = masks_to_idx_counts(run, want & run)
         plan = StepPlan(run_idx, logits_idx)
         plan.n_tokens = sum(queries)   # (its cached property would read the plan back)
+        # A logits position's row in the plan: the running columns before it
+        # (every one runs, by construction; model.logit_rows would check that
+        # with a host read).
+        logit_rows = torch.where(logits_idx >= 0, (run.cumsum(1) - 1).gather(1, logits_idx.clamp_min(0)), -1)
         k, v = self.kv[:, :, :n].unbind(0)
         cache = SlabCache(k=list(k.unbind(0)), v=list(v.unbind(0)), key_valid=key_valid,
                           # a row's RoPE positions are its columns (rows are left-aligned)
-                          positions=self._cols.expand(n, -1), row_lengths=lengths, queries=queries)
-        return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
+                          positions=self._cols.expand(n, -1), row_lengths=[r.length for r in self.rows],
+                          queries=queries)
+        return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None, logit_rows=logit_rows)
 
     def end_call(self, call: RowCall, logits: torch.Tensor) -> None:
         """Commit each row's tokens from the call's ``[R, P, V]`` logits (``commit_tokens``
         per row), count the call, and stop rows at EOS."""
         n, L, plan = len(self.rows), self.block_length, call.plan
         x = self.x[:n]
-        starts = self._block_starts()
+        starts, _, ends, gen_starts = self._table.unbind(0)    # begin_call's
         pos, in_block = block_positions(plan.logits_idx, starts[:, None], L, self.model.config.logit_shift)
         has = _rows_to_block(in_block, pos, in_block, L, False)
         cols = self._block_columns(starts)
@@ -328,9 +342,7 @@ class StackedDecodes:
         counts = [missing, (plan.logits_idx >= 0).sum(1)]
         if self.stop_at_eos:
             c, col = self.model.config, self._cols
-            gen_start = torch.tensor([r.prompt_len for r in self.rows], device=x.device)[:, None]
-            gen_end = torch.tensor([r.length for r in self.rows], device=x.device)[:, None]
-            region = (col >= gen_start) & (col < gen_end)
+            region = (col >= gen_starts[:, None]) & (col < ends[:, None])
             counts.append(fill_rows_ended_at_eos(x, (x == c.eos_id) & region, (x == c.mask_id) & region,
                                                  self.active[:n], c.eos_id))
         missing, logit_rows, *filled = torch.stack(counts).tolist()
