@@ -271,13 +271,17 @@ class EngineProcess:
         deadline = time.monotonic() + self.ready_timeout
         while not ours.poll(0.2):
             if not self._proc.is_alive():
-                self._gone = f"the engine process exited with status {self._proc.exitcode} while loading"
-                raise RuntimeError(f"dllm_ops serve: {self._gone}")
+                break
             if time.monotonic() > deadline:
                 self._proc.kill()
                 raise RuntimeError(f"dllm_ops serve: the engine process did not load the model within "
                                    f"{self.ready_timeout:.0f} s")
-        kind, value = ours.recv()
+        try:
+            kind, value = ours.recv()
+        except (EOFError, OSError):   # it died without a word (a crash, the OOM killer)
+            self._proc.join(30)
+            self._gone = f"the engine process exited with status {self._proc.exitcode} while loading"
+            raise RuntimeError(f"dllm_ops serve: {self._gone}") from None
         if kind == "failed":
             self._proc.join(30)
             self._gone = "the engine process failed to start"

@@ -182,7 +182,6 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
     rows = None if every else torch.cat([torch.arange(packed.span(i).start, packed.span(i).stop,
                                                       device=a.device) for i in full])
     a_full = a[0] if rows is None else a[0, rows]
-    out = None
     try:
         q, k, v = token_linears((layer.q, layer.k, layer.v), a_full)
     except Exception:   # noqa: BLE001 -- find the parts that fail alone
