@@ -238,6 +238,26 @@ def test_masks_to_idx_counts_equals_each_mask_alone():
             assert torch.equal(idx, alone) and counts == alone_counts == mask.sum(1).tolist()
 
 
+def test_a_block_without_a_mask_opens_the_next_one(models):
+    """ready() opens a row's blocks until one holds a mask, as a Decoder's
+    ready() does: a row at its first block finding two blocks without a mask,
+    one mid-decode finding its block and the next without (the first round's
+    block known from the read every row gets, later ones read per round)."""
+    model = model_for(models, "llada")
+    cfg = config("dual", dict(unmask="threshold"), gen_length=32)    # 4 blocks of 8
+    stack = StackedDecodes(model, cfg, width=96)
+    stack.add("fresh", PROMPTS[0], cfg)
+    stack.add("mid", PROMPTS[1], cfg)
+    (p0, p1), L, token = (len(PROMPTS[0]), len(PROMPTS[1])), 8, PROMPTS[0][0]
+    assert stack.ready() == [] and [r.blocks_decoded for r in stack.rows] == [1, 1]
+    stack.x[0, p0:p0 + 2 * L] = token            # the fresh row's first two blocks: no mask
+    stack.rows[0].blocks_decoded = 0
+    stack.x[1, p1:p1 + 2 * L] = token            # the mid row's block and the next: no mask
+    assert stack.ready() == []
+    assert [(r.blocks_decoded, r.block_start, r.step) for r in stack.rows] == \
+        [(3, p0 + 2 * L, 0), (3, p1 + 2 * L, 0)]
+
+
 def test_slots_follow_the_rows(models):
     """The slab grows a slot when a row joins a full one, keeps a left slot for the
     next row, moves the last row into a hole, and is freed when the cohort empties."""

@@ -236,9 +236,6 @@ class StackedDecodes:
         return len(self.rows) < self.x.shape[0]
 
     # ---- one call ----------------------------------------------------------------------------
-    def _block_starts(self) -> torch.Tensor:
-        return torch.tensor([r.block_start for r in self.rows], dtype=torch.long, device=self.x.device)
-
     def _block_columns(self, starts: torch.Tensor) -> torch.Tensor:
         """``[R, L]`` each row's block columns."""
         return starts[:, None] + self._block_offsets
@@ -251,13 +248,21 @@ class StackedDecodes:
         """Open each row's next block where its block has no candidate left (a
         Decoder's ``ready`` per row); the owners of the rows whose decode is
         over (their last block done, or stopped at EOS), in row order. One host
-        read for every row, then one per round of rows opening a block."""
-        n = len(self.rows)
+        read for every row (its block's candidates, and whether the block it
+        would open next holds a mask), then one per further round (a block
+        without a mask, its tokens all EOS-filled, opens the next one)."""
+        n, L = len(self.rows), self.block_length
         if not n:
             return []
-        cols = self._block_columns(self._block_starts())
-        has = self._block_candidates(self.x[:n].gather(1, cols)).any(1)
-        has, active = torch.stack([has, self.active[:n]]).tolist()
+        # each row's block and the one it opens next (kept inside the canvas for
+        # a row whose decode is over: that one is never looked at)
+        starts = torch.tensor([[r.block_start for r in self.rows],
+                               [min(r.prompt_len + r.blocks_decoded * L, self.width - L) for r in self.rows]],
+                              device=self.x.device)
+        cols = (starts[:, :, None] + self._block_offsets).transpose(0, 1).reshape(n, 2 * L)
+        now, upcoming = (self.x[:n].gather(1, cols).view(n, 2, L) == self.mask_id).unbind(1)
+        has = (now & self.active[:n, None]).any(1)
+        has, masked_next, active = torch.stack([has, upcoming.any(1), self.active[:n]]).tolist()
         over, opening = [], [i for i, row in enumerate(self.rows) if not (row.blocks_decoded and has[i])]
         while opening:
             opened = []
@@ -273,9 +278,12 @@ class StackedDecodes:
             if not opened:
                 break
             # a block without a mask (its tokens all EOS-filled) opens the next one
-            rows = torch.tensor(opened, device=self.x.device)
-            starts = torch.tensor([self.rows[i].block_start for i in opened], device=self.x.device)
-            masked = (self.x[rows].gather(1, self._block_columns(starts)) == self.mask_id).any(1).tolist()
+            if masked_next is not None:   # the first round's blocks: read above
+                masked, masked_next = [masked_next[i] for i in opened], None
+            else:
+                rows = torch.tensor(opened, device=self.x.device)
+                starts = torch.tensor([self.rows[i].block_start for i in opened], device=self.x.device)
+                masked = (self.x[rows].gather(1, self._block_columns(starts)) == self.mask_id).any(1).tolist()
             opening = [i for i, m in zip(opened, masked) if not m]
         return [self.rows[i].owner for i in sorted(over)]
 
