@@ -202,7 +202,8 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
         if value is not None:
             done.append((i, rows_i))
             values.append(packed.compact(i, value))
-    if len(done) == len(full):   # every part's rows, in order: no zeros to fill
+    all_done = len(done) == len(full)
+    if all_done:   # every part's rows, in order: no zeros to fill
         pre_o = values[0] if len(values) == 1 else torch.cat(values)
     else:
         pre_o = torch.zeros((a_full.shape[0], q.shape[-1]), dtype=q.dtype, device=q.device)
@@ -212,7 +213,7 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
         o = token_linear(layer.o, pre_o)
     except Exception:   # noqa: BLE001 -- find the parts that fail alone
         o = None
-    if o is not None and every and len(done) == len(full):
+    if o is not None and every and all_done:
         return o[None]           # every packed token's row, in order
     out = torch.zeros_like(a)
     for i, rows_i in done:

@@ -260,9 +260,10 @@ class StackedDecodes:
                                [min(r.prompt_len + r.blocks_decoded * L, self.width - L) for r in self.rows]],
                               device=self.x.device)
         cols = (starts[:, :, None] + self._block_offsets).transpose(0, 1).reshape(n, 2 * L)
-        now, upcoming = (self.x[:n].gather(1, cols).view(n, 2, L) == self.mask_id).unbind(1)
-        has = (now & self.active[:n, None]).any(1)
-        has, masked_next, active = torch.stack([has, upcoming.any(1), self.active[:n]]).tolist()
+        block, upcoming = self.x[:n].gather(1, cols).view(n, 2, L).unbind(1)
+        has = self._block_candidates(block).any(1)
+        masked_next = (upcoming == self.mask_id).any(1)
+        has, masked_next, active = torch.stack([has, masked_next, self.active[:n]]).tolist()
         over, opening = [], [i for i, row in enumerate(self.rows) if not (row.blocks_decoded and has[i])]
         while opening:
             opened = []
