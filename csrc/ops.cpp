@@ -25,6 +25,8 @@ TORCH_LIBRARY(dllm, m) {
         "float threshold=0.9, float factor=1.0) -> Tensor");
   m.def("certainty_density(Tensor decoded, float sigma=10.0, bool left_known=True, "
         "bool right_known=False) -> Tensor");
+  m.def("certainty_select(Tensor masked, Tensor confidence, int block_start, int block_end, "
+        "int block_length, int k, float sigma=10.0) -> Tensor");
   m.def("drift_select(Tensor drift, Tensor region, float reuse_fraction, int max_recompute) "
         "-> (Tensor reuse, Tensor recompute_idx, Tensor recompute_count)");
   m.def("drift_select_threshold(Tensor drift, Tensor region, float threshold, "

@@ -49,6 +49,13 @@ def _certainty_density_fake(decoded, sigma=10.0, left_known=True, right_known=Fa
     return decoded.new_empty(decoded.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("dllm::certainty_select")
+def _certainty_select_fake(masked, confidence, block_start, block_end, block_length, k, sigma=10.0):
+    torch._check(masked.dim() == 2, lambda: "dllm::certainty_select: masked must have 2 dims")
+    torch._check(masked.shape == confidence.shape, lambda: "dllm::certainty_select: shape mismatch")
+    return masked.new_empty(masked.shape, dtype=torch.bool)
+
+
 def _drift_select_outputs(drift, region, max_recompute, op):
     torch._check(drift.dim() == 2, lambda: f"dllm::{op}: drift must have 2 dims")
     torch._check(drift.shape == region.shape, lambda: f"dllm::{op}: shape mismatch")

@@ -76,7 +76,7 @@ class GenerateOutput:
 
 def step_flops(model: DiffusionLM, plan: StepPlan, key_len: int) -> float:
     """Model FLOPs of one call: projections + attention over `key_len` keys + LM head rows."""
-    return call_flops(model, plan.n_tokens, int((plan.logits_idx >= 0).sum()), key_len)
+    return call_flops(model, plan.n_tokens, plan.n_logits, key_len)
 
 
 def call_flops(model: DiffusionLM, n_tokens: int, n_logits: int, key_len: int) -> float:

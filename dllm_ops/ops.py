@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["cosine_drift", "has_cuda_kernels"]
-__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer", "certainty_density", "drift_select",
-            "drift_select_threshold"]  # family: select
+__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer", "certainty_density",
+            "certainty_select", "drift_select", "drift_select_threshold"]  # family: select
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 __all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
@@ -218,6 +218,51 @@ def certainty_density(decoded: torch.Tensor, sigma: float = 10.0, left_known: bo
     """
     return torch.ops.dllm.certainty_density.default(decoded, float(sigma), bool(left_known),
                                                    bool(right_known))
+
+
+def certainty_select(masked: torch.Tensor, confidence: torch.Tensor, block_start: int, block_end: int,
+                     block_length: int, k: int, sigma: float = 10.0) -> torch.Tensor:
+    """d²Cache's stage 1: the masked tokens of each row a call recomputes.
+
+    Over a row's generated region of G positions (blocks of ``block_length``
+    from column 0), with ``D = certainty_density(~masked, sigma)`` (prompt
+    known, the right pad decoded iff the last position is) and ``score =
+    confidence * D`` (the float32 product):
+
+    1. the search window runs from ``block_start`` to the end of the block
+       holding the ``k``-th masked position (the region's last block when
+       fewer than ``k`` are masked);
+    2. its masked positions rank those in the current block ``[block_start,
+       block_end)`` first, then by score descending, then by position
+       ascending (-0.0 ranks as 0.0);
+    3. the first ``k`` of them are chosen (all of them when fewer).
+
+    Every call of the d²Cache policy plans with this one op instead of a
+    density op and ~40 small tensor ops.
+
+    Args:
+        masked: ``[B, G]`` bool, True = still masked. May be a slice of a
+            wider canvas (rows are read in place).
+        confidence: ``[B, G]`` float32, the cached confidence of each
+            position: finite and >= 0 wherever ``masked`` (elsewhere unread).
+        block_start, block_end: the current block, ``0 <= block_start <=
+            block_end <= G``; positions before ``block_start`` are never chosen.
+        block_length: the block grid of the window (>= 1).
+        k: tokens to choose per row (>= 1).
+        sigma: the density's width (finite, > 0).
+
+    Returns:
+        ``[B, G]`` bool, the chosen positions (``min(k, masked in the
+        window)`` per row).
+
+    Raises:
+        RuntimeError ``dllm::certainty_select: ...`` on a shape / dtype /
+        device mismatch, a block outside the row, ``k < 1``,
+        ``block_length < 1``, a bad ``sigma``, or a NaN, infinite or negative
+        confidence at a masked position (named by row and position).
+    """
+    return torch.ops.dllm.certainty_select.default(masked, confidence, int(block_start), int(block_end),
+                                                  int(block_length), int(k), float(sigma))
 
 
 def drift_select(drift: torch.Tensor, region: torch.Tensor, reuse_fraction: float,

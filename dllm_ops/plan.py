@@ -27,22 +27,58 @@ class StepPlan:
                 logits for; the loop drops the others from the call's candidates
                 instead of failing (d²Cache runs only some masks; the rest have
                 no fresh logits).
+    logit_rows: ``[B, P]`` the column of ``idx`` holding each ``logits_idx``
+                position (−1 pads) when the plan's maker knows it
+                (:meth:`running`); None: the model derives it from the two
+                and checks that every logits position runs (a host read).
     """
 
     idx: torch.Tensor
     logits_idx: torch.Tensor
     partial_logits: bool = False
+    logit_rows: torch.Tensor | None = None
+
+    @functools.cached_property
+    def row_tokens(self) -> list[int]:
+        """Tokens actually computed per row (padding excluded): one host read,
+        or known when the plan was made (:meth:`running`)."""
+        return (self.idx >= 0).sum(1).tolist()
 
     @functools.cached_property
     def n_tokens(self) -> int:
-        """Tokens actually computed (padding excluded), summed over rows (read
-        back once per plan: the loop's stats and FLOP count both use it)."""
-        return int((self.idx >= 0).sum())
+        """Tokens actually computed, summed over rows (the loop's stats and FLOP
+        count both use it)."""
+        return sum(self.row_tokens)
+
+    @functools.cached_property
+    def n_logits(self) -> int:
+        """Logits rows returned, summed over rows (padding excluded)."""
+        return int((self.logits_idx >= 0).sum())
 
     @staticmethod
     def from_mask(run: torch.Tensor, logits: torch.Tensor) -> "StepPlan":
         """Build a plan from ``[B, T]`` bool masks of tokens to run / to return logits for."""
         return StepPlan(mask_to_idx(run), mask_to_idx(logits))
+
+    @staticmethod
+    def running(run: torch.Tensor, want: torch.Tensor, partial_logits: bool = False) -> "StepPlan":
+        """The plan running the positions of ``run [B, T]`` (bool) and returning
+        logits for those of ``want [B, T]`` that run, with its token counts and
+        logits rows known: what the decode loop builds every call, in a few ops
+        and one host read (the positions' own) instead of a read per count and
+        the model's general row lookup."""
+        logits = want & run
+        if run.shape[0] == 1:
+            idx, logits_idx = mask_to_idx(run), mask_to_idx(logits)   # ascending, no padding
+            row_tokens, n_logits = [idx.shape[1]], logits_idx.shape[1]
+            rows = torch.searchsorted(idx, logits_idx)
+        else:
+            (idx, row_tokens), (logits_idx, n) = masks_to_idx_counts(run, logits)
+            n_logits = sum(n)
+            rows = rows_within(run, logits_idx)
+        plan = StepPlan(idx, logits_idx, partial_logits, rows)
+        plan.row_tokens, plan.n_logits = row_tokens, n_logits   # (the cached properties, preset)
+        return plan
 
     @staticmethod
     def full(batch: int, length: int, device) -> "StepPlan":
@@ -72,6 +108,13 @@ def masks_to_idx_counts(*masks: torch.Tensor) -> list[tuple[torch.Tensor, list[i
     counts = torch.stack([m.sum(1) for m in masks])
     return [(_sorted_positions(m, c, max(n, default=0)), n)
             for m, c, n in zip(masks, counts, counts.tolist())]
+
+
+def rows_within(run: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[B, P]`` the column of ``mask_to_idx(run)`` holding each of ``positions
+    [B, P]`` (−1 pads stay −1): the running positions before it. Every
+    position must run (not checked)."""
+    return torch.where(positions >= 0, (run.cumsum(1) - 1).gather(1, positions.clamp_min(0)), -1)
 
 
 def _sorted_positions(mask: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:

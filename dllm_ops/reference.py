@@ -10,8 +10,8 @@ import torch
 from .packed_layout import packed_k_groups, packed_k_layout
 
 __all__ = ["cosine_drift"]
-__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer", "certainty_density", "drift_select",
-            "drift_select_threshold"]  # family: select
+__all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer", "certainty_density",
+            "certainty_select", "drift_select", "drift_select_threshold"]  # family: select
 __all__ += ["rollout_scores", "nucleus_select"]  # family: rollout
 __all__ += ["rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]  # family: sparse_kv
 __all__ += ["quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",
@@ -142,6 +142,27 @@ def certainty_density(decoded: torch.Tensor, sigma: float, left_known: bool = Tr
     d = torch.arange(-3 * G, 3 * G, device=dev, dtype=torch.float64)
     z = torch.exp(-d ** 2 / (2 * sigma ** 2)).sum()
     return (marks @ kernel.T / z).float()
+
+
+def certainty_select(masked: torch.Tensor, confidence: torch.Tensor, block_start: int, block_end: int,
+                     block_length: int, k: int, sigma: float = 10.0,
+                     density: torch.Tensor | None = None) -> torch.Tensor:
+    """d²Cache's stage 1 row by row, as ``dllm_ops.ops.certainty_select`` defines it.
+    ``density``: D to rank by instead of :func:`certainty_density`'s exact sum
+    (the op's D drops terms below 3e-10, which orders scores that small)."""
+    B, G = masked.shape
+    if density is None:
+        density = certainty_density(~masked, sigma)
+    score = (confidence.float() * density.to(confidence.device)).cpu()
+    out = torch.zeros(B, G, dtype=torch.bool)
+    for b in range(B):
+        masks = masked[b].cpu().nonzero().flatten().tolist()
+        kth = masks[k - 1] if len(masks) >= k else G - 1
+        end = (kth // block_length + 1) * block_length
+        window = [i for i in masks if block_start <= i < end]
+        window.sort(key=lambda i: (i >= block_end, -float(score[b, i]), i))
+        out[b, window[:k]] = True
+    return out.to(masked.device)
 
 
 def _recompute_outputs(region, reuse, max_recompute):

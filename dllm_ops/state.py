@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .models import DiffusionLM
-from .plan import KVCache, StepPlan, mask_to_idx
+from .plan import KVCache, StepPlan
 
 
 @dataclass
@@ -75,4 +75,4 @@ class DecodeState:
             # already committed, so it never needs logits.
             want = torch.roll(want, -1, dims=1)
             want[:, -1] = False
-        return StepPlan(mask_to_idx(run), mask_to_idx(want & run))
+        return StepPlan.running(run, want)

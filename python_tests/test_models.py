@@ -90,6 +90,32 @@ def test_partial_step_matches_reference_with_frozen_kv(ckpt, device):
     torch.testing.assert_close(got.double(), want[:, 18:26], rtol=1e-4, atol=1e-4)
 
 
+def test_a_running_plan_knows_its_counts_and_logits_rows(ckpt, device):
+    """StepPlan.running, the decode loop's plans: the positions mask_to_idx gives,
+    the counts without a host read of their own, and each logits position's row
+    as the model's general lookup finds it; a call with the known rows returns
+    what the call that looks them up returns."""
+    from dllm_ops.plan import mask_to_idx
+    arch, path = ckpt
+    model = load(path, dtype=torch.float32, device=device)
+    g = torch.Generator().manual_seed(5)
+    for B in (1, 3):
+        x, valid = _canvas(model, [26] * B, 26, seed=B)
+        run = valid & (torch.rand(B, 26, generator=g) < 0.6)
+        want = torch.rand(B, 26, generator=g) < 0.5    # not within run: only its running part has logits
+        if B > 1:
+            run[1] = False                              # a row that runs nothing
+        run, want = run.to(device), want.to(device)
+        plan = StepPlan.running(run, want)
+        lookup = StepPlan(mask_to_idx(run), mask_to_idx(want & run))
+        assert torch.equal(plan.idx, lookup.idx) and torch.equal(plan.logits_idx, lookup.logits_idx)
+        assert plan.row_tokens == run.sum(1).tolist() and plan.n_tokens == int(run.sum())
+        assert plan.n_logits == int((want & run).sum()) == lookup.n_logits
+        assert torch.equal(plan.logit_rows, model.logit_rows(lookup, 26))
+        got = model.step(x.to(device), plan, model.new_cache(valid.to(device)))
+        assert torch.equal(got, model.step(x.to(device), lookup, model.new_cache(valid.to(device))))
+
+
 def test_batch_rows_equal_single_rows(ckpt, device):
     _, path = ckpt
     model = load(path, dtype=torch.float32, device=device)

@@ -1,5 +1,5 @@
 """Selection kernels: token_confidence, select_transfer, certainty_density,
-drift_select(_threshold). Every op runs on cpu / sim / cuda against the
+certainty_select, drift_select(_threshold). Every op runs on cpu / sim / cuda against the
 pure-torch oracles of dllm_ops.reference (cosine_drift has its own file)."""
 import math
 
@@ -742,6 +742,158 @@ def test_certainty_density_opcheck(backend):
 
 
 # =============================================================================
+# certainty_select
+# =============================================================================
+
+def certainty_select_inputs(seed=0):
+    """(masked, confidence, block_start, block_end, block_length, k, sigma, label):
+    blocks at the start, middle and end of the region, rows with fewer masks
+    than k, ties, an empty block, strided rows. The densities stay far above
+    certainty_density's 3e-10 truncation (sigma >= 3 over short rows), where the
+    exact oracle and the op rank alike."""
+    g = _gen(seed)
+
+    def draw(B, G, p_mask, ties=False):
+        masked = torch.rand(B, G, generator=g) < p_mask
+        conf = torch.rand(B, G, generator=g)
+        if ties:
+            conf = (conf * 3).floor() / 3   # few distinct values: ties broken by position
+        return masked, conf
+
+    yield (*draw(1, 1, 1.0), 0, 1, 1, 1, 10.0, "G=1")
+    yield (*draw(1, 64, 0.9), 0, 64, 64, 32, 10.0, "one block of 64, k 32 (d2Cache's setting)")
+    yield (*draw(3, 64, 0.6), 16, 32, 16, 32, 10.0, "block 16 mid-region, window past it")
+    yield (*draw(3, 64, 0.6), 48, 64, 16, 5, 10.0, "last block, k < its masks")
+    yield (*draw(2, 50, 0.3), 0, 7, 7, 40, 3.0, "odd block length, k beyond the masks")
+    yield (*draw(4, 90, 0.5, ties=True), 30, 45, 15, 12, 37.5, "ties")
+    masked, conf = draw(2, 40, 0.7)
+    conf[:] = 0.0
+    yield masked, conf, 8, 16, 8, 10, 10.0, "all scores zero: by position"
+    yield (*draw(2, 40, 0.5), 20, 20, 10, 6, 10.0, "empty block: the window only")
+    yield (*draw(2, 30, 0.5), 0, 30, 100, 8, 3.0, "block length past the region")
+    masked, conf = draw(3, 70, 0.5)
+    wide_conf = torch.rand(3, 71, generator=g)
+    wide_conf[:, :70] = conf
+    yield masked, wide_conf[:, :70], 4, 20, 16, 9, 10.0, "confidence a slice of [B, G + 1]"
+    canvas, _ = draw(2, 80, 0.6)
+    yield canvas[:, 17:], torch.rand(2, 63, generator=g), 0, 16, 16, 20, 10.0, "masked a slice of the canvas"
+    yield (torch.rand(45, 2, generator=g) < 0.5).t(), torch.rand(45, 2, generator=g).t(), 3, 9, 6, 7, 10.0, \
+        "transposed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_certainty_select_matches_reference(backend):
+    f = op(backend, "certainty_select")
+    for masked, conf, b0, b1, L, k, sigma, label in certainty_select_inputs():
+        want = reference.certainty_select(masked, conf, b0, b1, L, k, sigma)
+        got = f(*to(backend, masked, conf), b0, b1, L, k, sigma)
+        assert got.dtype == torch.bool and got.shape == masked.shape, label
+        assert torch.equal(got.cpu(), want), f"{label}: {(got.cpu() ^ want).nonzero().tolist()}"
+        in_window = masked.clone()
+        in_window[:, :b0] = False
+        assert (got.cpu() <= in_window).all() and (got.cpu().sum(1) <= k).all(), label
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_certainty_select_random_against_reference(backend):
+    """Random geometry: every block / window / k combination the decode meets and more."""
+    f = op(backend, "certainty_select")
+    g = _gen(11)
+    for trial in range(120):
+        B, G = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 60, (1,), generator=g))
+        masked = torch.rand(B, G, generator=g) < float(torch.rand(1, generator=g))
+        conf = torch.rand(B, G, generator=g)
+        if trial % 4 == 0:
+            conf = (conf * 4).floor() / 4
+        b0 = int(torch.randint(0, G + 1, (1,), generator=g))
+        b1 = int(torch.randint(b0, G + 1, (1,), generator=g))
+        L, k = (int(torch.randint(1, 40, (1,), generator=g)) for _ in range(2))
+        sigma = (3.0, 10.0)[trial % 2]
+        want = reference.certainty_select(masked, conf, b0, b1, L, k, sigma)
+        got = f(*to(backend, masked, conf), b0, b1, L, k, sigma).cpu()
+        assert torch.equal(got, want), f"trial {trial}: B={B} G={G} [{b0}, {b1}) L={L} k={k}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_certainty_select_ranks_by_the_density_op(backend):
+    """Where D falls below certainty_density's 3e-10 truncation (narrow sigma,
+    long masked runs) the op ranks by the density op's own values."""
+    f = op(backend, "certainty_select")
+    g = _gen(12)
+    masked = torch.rand(3, 84, generator=g) < 0.8
+    masked[:, 20:60] = True
+    conf = torch.rand(3, 84, generator=g)
+    for sigma in (0.5, 2.0):
+        density = op("cpu", "certainty_density")(~masked, sigma, True, False)
+        want = reference.certainty_select(masked, conf, 9, 50, 30, 28, sigma, density=density)
+        got = f(*to(backend, masked, conf), 9, 50, 30, 28, sigma).cpu()
+        assert torch.equal(got, want), f"sigma={sigma}: {(got ^ want).nonzero().tolist()}"
+
+
+def test_certainty_select_reference_is_the_d2cache_rule():
+    """The oracle against the rule written another way (d²Cache's stage 1 as
+    the decode loop had it: two stable sorts over the whole region)."""
+    for masked, conf, b0, b1, L, k, sigma, label in certainty_select_inputs(seed=4):
+        B, G = masked.shape
+        score = conf * reference.certainty_density(~masked, sigma)
+        col = torch.arange(G)
+        reach = masked.cumsum(1) >= k
+        kth = torch.where(reach.any(1), reach.int().argmax(1), torch.full((B,), G - 1))
+        cand = masked & (col >= b0) & (col <= ((kth // L + 1) * L - 1)[:, None])
+        by_score = torch.sort(torch.where(cand, score, NEG_INF), dim=1, descending=True, stable=True).indices
+        in_block = cand & (col < b1)
+        order = by_score.gather(1, torch.sort(in_block.gather(1, by_score).to(torch.uint8), dim=1,
+                                              descending=True, stable=True).indices)
+        take = torch.clamp(cand.sum(1), max=k)
+        want = torch.zeros_like(masked).scatter_(1, order, col[None, :] < take[:, None])
+        assert torch.equal(reference.certainty_select(masked, conf, b0, b1, L, k, sigma), want), label
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make,msg", [
+    (lambda m, c: (m.float(), c, 0, 4, 4, 2, 10.0), "masked must be Bool"),
+    (lambda m, c: (m, c.double(), 0, 4, 4, 2, 10.0), "confidence must be Float"),
+    (lambda m, c: (m, c[:, :3], 0, 3, 4, 2, 10.0), "shape"),
+    (lambda m, c: (m[0], c[0], 0, 4, 4, 2, 10.0), "must have 2 dims"),
+    (lambda m, c: (m, c, 0, 9, 4, 2, 10.0), r"the block \[block_start, block_end\) must lie in \[0, G = 8\]"),
+    (lambda m, c: (m, c, 5, 4, 4, 2, 10.0), r"must lie in \[0, G = 8\], got \[5, 4\)"),
+    (lambda m, c: (m, c, -1, 4, 4, 2, 10.0), "must lie in"),
+    (lambda m, c: (m, c, 0, 4, 0, 2, 10.0), "block_length must be >= 1"),
+    (lambda m, c: (m, c, 0, 4, 4, 0, 10.0), "k must be >= 1"),
+    (lambda m, c: (m, c, 0, 4, 4, 2, 0.0), "sigma must be finite and > 0"),
+    (lambda m, c: (m, c, 0, 4, 4, 2, float("nan")), "sigma must be finite and > 0"),
+])
+def test_certainty_select_bad_input(backend, make, msg):
+    m, c = torch.ones(2, 8, dtype=torch.bool), torch.rand(2, 8)
+    args = make(m, c)
+    with pytest.raises(RuntimeError, match=rf"dllm::certainty_select: .*{msg}"):
+        op(backend, "certainty_select")(*to(backend, *args[:2]), *args[2:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.25])
+def test_certainty_select_bad_confidence_is_named(backend, value):
+    """A bad confidence at a masked position is an error naming it; at an
+    unmasked position it is never read."""
+    m, c = torch.zeros(2, 8, dtype=torch.bool), torch.rand(2, 8)
+    m[1, 2:6] = True
+    c[0, 3] = value   # unmasked: fine
+    f = op(backend, "certainty_select")
+    assert f(*to(backend, m, c), 0, 8, 8, 2, 10.0).cpu().sum() == 2
+    c[1, 4] = value
+    with pytest.raises(RuntimeError, match=r"dllm::certainty_select: confidence must be finite and >= 0 "
+                                           r"at every masked position; got .* at row 1, position 4"):
+        f(*to(backend, m, c), 0, 8, 8, 2, 10.0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_certainty_select_opcheck(backend):
+    op(backend, "certainty_select")
+    m, c = torch.rand(3, 45) < 0.6, torch.rand(3, 45)
+    opcheck(torch.ops.dllm.certainty_select.default, (*to(backend, m, c), 5, 21, 16, 9, 10.0))
+
+
+# =============================================================================
 # drift_select / drift_select_threshold
 # =============================================================================
 
@@ -861,6 +1013,10 @@ def test_select_ops_empty_shapes(backend):
                                           "factor", None, 0.9, 1.0).shape == (0, 5)
     assert op(backend, "certainty_density")(*to(backend, torch.zeros(2, 0, dtype=torch.bool)), 10.0, True,
                                             False).shape == (2, 0)
+    assert op(backend, "certainty_select")(*to(backend, torch.zeros(2, 0, dtype=torch.bool), torch.rand(2, 0)),
+                                           0, 0, 4, 3, 10.0).shape == (2, 0)
+    assert op(backend, "certainty_select")(*to(backend, torch.zeros(0, 6, dtype=torch.bool), torch.rand(0, 6)),
+                                           0, 6, 4, 3, 10.0).shape == (0, 6)
     for name, param in (("drift_select", 0.5), ("drift_select_threshold", 0.5)):
         reuse, idx, count = op(backend, name)(*to(backend, torch.rand(2, 0), torch.zeros(2, 0, dtype=torch.bool)),
                                               param, 3)

@@ -225,6 +225,46 @@ inline void check_certainty_density(const at::Tensor& decoded, double sigma) {
   DLLM_CHECK(decoded.size(1) < INT32_MAX / 4, op, "G must be < 2^29, got ", decoded.size(1));
 }
 
+// ---- certainty_select --------------------------------------------------------------
+
+inline void check_certainty_select(const at::Tensor& masked, const at::Tensor& confidence,
+                                   int64_t block_start, int64_t block_end, int64_t block_length,
+                                   int64_t k, double sigma) {
+  constexpr const char* op = "certainty_select";
+  check_dtype(op, confidence, "confidence", at::kFloat);
+  check_values_and_mask(op, confidence, "confidence", masked, "masked", "[B, G]");
+  const int64_t G = masked.size(1);
+  DLLM_CHECK(G < INT32_MAX / 4, op, "G must be < 2^29, got ", G);
+  DLLM_CHECK(0 <= block_start && block_start <= block_end && block_end <= G, op,
+             "the block [block_start, block_end) must lie in [0, G = ", G, "], got [",
+             block_start, ", ", block_end, ")");
+  DLLM_CHECK(block_length >= 1, op, "block_length must be >= 1, got ", block_length);
+  DLLM_CHECK(k >= 1, op, "k must be >= 1, got ", k);
+  DLLM_CHECK(std::isfinite(sigma) && sigma > 0, op, "sigma must be finite and > 0, got ", sigma);
+}
+
+// [B, G] rows with unit column stride, read in place where they have it (a
+// slice of a wider canvas), else a contiguous copy.
+inline at::Tensor unit_stride_rows(const at::Tensor& t) {
+  return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous();
+}
+
+// A kernel's status bits (math::CertaintySelectStatus) as the error, naming
+// the first offending position (a host read, only on failure).
+inline void raise_certainty_select_status(int status, const at::Tensor& masked,
+                                          const at::Tensor& confidence) {
+  if (status == 0) return;
+  constexpr const char* op = "certainty_select";
+  const auto c = confidence.cpu();
+  const auto bad = at::logical_and(masked.cpu(), (c.isnan() | c.isinf()) | c.lt(0)).nonzero();
+  if (bad.size(0) > 0) {
+    const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
+    DLLM_CHECK(false, op, "confidence must be finite and >= 0 at every masked position; got ",
+               c[b][i].item<float>(), " at row ", b, ", position ", i);
+  }
+  DLLM_CHECK(false, op, "internal error: a kernel flagged bad input that the host cannot find");
+}
+
 // ---- drift_select / drift_select_threshold ---------------------------------------
 
 inline void check_drift_select(const char* op, const at::Tensor& drift, const at::Tensor& region,

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -280,6 +281,20 @@ void certainty_density_row(const bool* row, int64_t G, bool left, bool right, in
   for (int64_t i = 0; i < G; ++i) out[i] = static_cast<float>(a[i] * inv_z);
 }
 
+// D's window, weights and normaliser for rows of G at width sigma.
+struct DensityTable {
+  int64_t W;
+  std::vector<double> weight;  // [W + 1]
+  double inv_z;
+
+  DensityTable(double sigma, int64_t G)
+      : W(math::density_window(sigma, G)), weight(W + 1),
+        inv_z(1.0 / math::density_normaliser(G, sigma)) {
+    const double inv_two_sigma2 = 1.0 / (2.0 * sigma * sigma);
+    for (int64_t d = 0; d <= W; ++d) weight[d] = math::density_weight(d, inv_two_sigma2);
+  }
+};
+
 at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool left_known,
                                  bool right_known) {
   check_certainty_density(decoded, sigma);
@@ -287,22 +302,83 @@ at::Tensor certainty_density_cpu(const at::Tensor& decoded, double sigma, bool l
   auto out = at::empty({B, G}, decoded.options().dtype(at::kFloat));
   if (B == 0 || G == 0) return out;
   const auto dc = decoded.contiguous();
-  const int64_t W = math::density_window(sigma, G);
-  const double inv_two_sigma2 = 1.0 / (2.0 * sigma * sigma);
-  std::vector<double> weight(W + 1);
-  for (int64_t d = 0; d <= W; ++d) weight[d] = math::density_weight(d, inv_two_sigma2);
-  const double inv_z = 1.0 / math::density_normaliser(G, sigma);
+  const DensityTable table(sigma, G);
   const bool* decoded_p = dc.const_data_ptr<bool>();
   float* out_p = out.mutable_data_ptr<float>();
-  at::parallel_for(0, B, cpu::grain_items(cpu::kGrainDensityTerms, G * (W + 1)),
+  at::parallel_for(0, B, cpu::grain_items(cpu::kGrainDensityTerms, G * (table.W + 1)),
                    [&](int64_t begin, int64_t end) {
     std::vector<double> mk, acc;
     for (int64_t b = begin; b < end; ++b) {
       const bool* row = decoded_p + b * G;
-      certainty_density_row(row, G, left_known, right_known || row[G - 1], W, weight, inv_z, mk,
-                            acc, out_p + b * G);
+      certainty_density_row(row, G, left_known, right_known || row[G - 1], table.W, table.weight,
+                            table.inv_z, mk, acc, out_p + b * G);
     }
   });
+  return out;
+}
+
+// ============================================================================
+// certainty_select
+// ============================================================================
+// Per row: D of the unmasked positions (certainty_density_row: certainty_density's
+// own sum, prompt known, the right pad from the last position), the k-th masked
+// position, then the window's masked keys (math::certainty_key) and
+// nth_element for the first k.
+
+int certainty_select_row(const bool* masked, const float* conf, int64_t G, int64_t b0,
+                         int64_t b1, int64_t L, int64_t k, const float* density, bool* out,
+                         std::vector<uint64_t>& keys) {
+  int64_t seen = 0, kth = G - 1;
+  bool bad = false;
+  for (int64_t i = 0; i < G; ++i) {
+    out[i] = false;
+    if (!masked[i]) continue;
+    bad |= !math::certainty_confidence_ok(conf[i]);
+    if (++seen == k) kth = i;
+  }
+  if (bad) return math::kCertaintyBadConfidence;
+  const int64_t end = std::min<int64_t>(G, math::certainty_window_end(kth, L));
+  keys.clear();
+  for (int64_t i = b0; i < end; ++i)
+    if (masked[i])
+      keys.push_back(math::certainty_key(math::certainty_score(conf[i], density[i]),
+                                         static_cast<int32_t>(i), i < b1));
+  const int64_t n = static_cast<int64_t>(keys.size()), take = std::min(n, k);
+  if (take < n) std::nth_element(keys.begin(), keys.begin() + (take - 1), keys.end());
+  for (int64_t j = 0; j < take; ++j) out[math::key_index(keys[j])] = true;
+  return 0;
+}
+
+at::Tensor certainty_select_cpu(const at::Tensor& masked, const at::Tensor& confidence,
+                                int64_t block_start, int64_t block_end, int64_t block_length,
+                                int64_t k, double sigma) {
+  check_certainty_select(masked, confidence, block_start, block_end, block_length, k, sigma);
+  const int64_t B = masked.size(0), G = masked.size(1);
+  auto out = at::empty({B, G}, masked.options());
+  if (B == 0 || G == 0) return out;
+  const auto mc = unit_stride_rows(masked), cc = unit_stride_rows(confidence);
+  const int64_t m_ld = mc.stride(0), c_ld = cc.stride(0);
+  const DensityTable table(sigma, G);
+  const bool* m_p = mc.const_data_ptr<bool>();
+  const float* c_p = cc.const_data_ptr<float>();
+  bool* out_p = out.mutable_data_ptr<bool>();
+  cpu::FaultBits faults;
+  at::parallel_for(0, B, cpu::grain_items(cpu::kGrainDensityTerms, G * (table.W + 1)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<double> mk, acc;
+    std::vector<float> density(G);
+    std::unique_ptr<bool[]> decoded(new bool[G]);
+    std::vector<uint64_t> keys;
+    for (int64_t b = begin; b < end; ++b) {
+      const bool* row = m_p + b * m_ld;
+      for (int64_t i = 0; i < G; ++i) decoded[i] = !row[i];
+      certainty_density_row(decoded.get(), G, true, decoded[G - 1], table.W, table.weight,
+                            table.inv_z, mk, acc, density.data());
+      faults.add(certainty_select_row(row, c_p + b * c_ld, G, block_start, block_end,
+                                      block_length, k, density.data(), out_p + b * G, keys));
+    }
+  });
+  raise_certainty_select_status(faults.get(), masked, confidence);
   return out;
 }
 
@@ -399,6 +475,7 @@ TORCH_LIBRARY_IMPL(dllm, CPU, m) {
   m.impl("token_confidence_max_prob", &token_confidence_max_prob_cpu);
   m.impl("select_transfer", &select_transfer_cpu);
   m.impl("certainty_density", &certainty_density_cpu);
+  m.impl("certainty_select", &certainty_select_cpu);
   m.impl("drift_select", &drift_select_op<drift_select_cpu>);
   m.impl("drift_select_threshold", &drift_select_threshold_op<drift_select_cpu>);
 }

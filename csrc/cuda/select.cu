@@ -164,6 +164,35 @@ at::Tensor certainty_density_cuda(const at::Tensor& decoded, double sigma, bool 
   return out;
 }
 
+// ---- certainty_select -------------------------------------------------------------
+
+at::Tensor certainty_select_cuda(const at::Tensor& masked, const at::Tensor& confidence,
+                                 int64_t block_start, int64_t block_end, int64_t block_length,
+                                 int64_t k, double sigma) {
+  constexpr const char* op = "certainty_select";
+  check_certainty_select(masked, confidence, block_start, block_end, block_length, k, sigma);
+  DLLM_CUDA_ENTER(op, masked, "masked");
+  const int64_t B = masked.size(0), G = masked.size(1);
+  check_launch_rows(op, B);
+  auto out = at::empty({B, G}, masked.options());
+  if (B == 0 || G == 0) return out;
+  const auto mc = unit_stride_rows(masked), cc = unit_stride_rows(confidence);
+  auto score = at::empty({B, G}, confidence.options());
+  StatusWord status(masked);
+  cuda::launch_certainty_select(
+      {.masked = mc.const_data_ptr<bool>(), .m_ld = mc.stride(0),
+       .conf = cc.const_data_ptr<float>(), .c_ld = cc.stride(0), .B = B,
+       .G = static_cast<int32_t>(G), .b0 = static_cast<int32_t>(block_start),
+       .b1 = static_cast<int32_t>(block_end),
+       .L = static_cast<int32_t>(std::min(block_length, G)), .k = k,  // (any L >= G: one block)
+       .sigma = sigma, .score = score.mutable_data_ptr<float>(),
+       .out = out.mutable_data_ptr<bool>(), .status = status.data()},
+      DLLM_CUDA_STREAM());
+  DLLM_CUDA_LAUNCH_CHECK();
+  raise_certainty_select_status(status.read()[0], masked, confidence);
+  return out;
+}
+
 // ---- drift_select / drift_select_threshold ---------------------------------------
 
 DriftSelectResult drift_select_cuda(const DriftRule& rule, const at::Tensor& drift,
@@ -202,6 +231,7 @@ DLLM_CUDA_LIBRARY(m) {
   DLLM_CUDA_REGISTER(m, "token_confidence_max_prob", token_confidence_max_prob_cuda);
   DLLM_CUDA_REGISTER(m, "select_transfer", select_transfer_cuda);
   DLLM_CUDA_REGISTER(m, "certainty_density", certainty_density_cuda);
+  DLLM_CUDA_REGISTER(m, "certainty_select", certainty_select_cuda);
   DLLM_CUDA_REGISTER(m, "drift_select", drift_select_op<drift_select_cuda>);
   DLLM_CUDA_REGISTER(m, "drift_select_threshold", drift_select_threshold_op<drift_select_cuda>);
 }

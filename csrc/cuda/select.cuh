@@ -528,7 +528,8 @@ __global__ void certainty_density_kernel(const bool* __restrict__ decoded, int32
   const bool* d = decoded + row * G;
   const bool right = right_known || d[G - 1];
   out[row * G + i] = static_cast<float>(
-      math::density_sum(i, G, d, left_known, right, W, nullptr, inv_two_sigma2) * inv_z);
+      math::density_sum(i, G, [d](int64_t j) { return d[j]; }, left_known, right, W, nullptr,
+                        inv_two_sigma2) * inv_z);
 }
 
 struct CertaintyDensityParams {
@@ -548,6 +549,86 @@ inline void launch_certainty_density(const CertaintyDensityParams& p, stream_t s
   DLLM_LAUNCH(certainty_density_kernel, dim3(static_cast<unsigned>(p.B), chunks),
               dim3(kDensityThreads), 0, stream, p.decoded, p.G, W,
               1.0 / (2.0 * p.sigma * p.sigma), inv_z, p.left_known, p.right_known, p.out);
+}
+
+// ============================================================================
+// certainty_select: one block per row
+// ============================================================================
+// Pass 1, threads over positions in rounds of blockDim: each masked
+// position's D (math::density_sum of the unmasked positions, the
+// certainty_density kernel's sum) and score into `score` ([B, G] scratch),
+// the confidence check, and the k-th masked position from a block scan of
+// the round's masks. Pass 2: block_rank of the window's masked keys
+// (math::certainty_key); ranks below k are chosen. Status
+// (math::CertaintySelectStatus): a bad confidence; the host then raises.
+
+__global__ void certainty_select_kernel(const bool* __restrict__ masked, int64_t m_ld,
+                                        const float* __restrict__ conf, int64_t c_ld, int32_t G,
+                                        int32_t b0, int32_t b1, int32_t L, int64_t k, int32_t W,
+                                        double inv_two_sigma2, double inv_z,
+                                        float* __restrict__ score, bool* __restrict__ out,
+                                        int* __restrict__ status) {
+  __shared__ unsigned long long tile[kRankTile];
+  __shared__ int scratch[kWarp];
+  __shared__ int kth_shared;
+  const int64_t row = blockIdx.x;
+  const bool* m = masked + row * m_ld;
+  const float* c = conf + row * c_ld;
+  float* s = score + row * G;
+  bool* o = out + row * G;
+  if (threadIdx.x == 0) kth_shared = G - 1;  // fewer than k masks: the row's last block
+  __syncthreads();
+  const auto decoded = [m](int64_t j) { return !m[j]; };
+  const bool right = !m[G - 1];
+  int64_t seen = 0;  // masks before the round
+  bool bad = false;
+  for (int32_t base = 0; base < G; base += blockDim.x) {  // uniform over the block
+    const int32_t i = base + static_cast<int32_t>(threadIdx.x);
+    const bool mi = i < G && m[i];
+    if (mi) {
+      bad |= !math::certainty_confidence_ok(c[i]);
+      const double d = math::density_sum(i, G, decoded, true, right, W, nullptr, inv_two_sigma2);
+      s[i] = math::certainty_score(c[i], static_cast<float>(d * inv_z));
+    }
+    int total;
+    const int before = block_exclusive_scan(mi ? 1 : 0, scratch, &total);
+    if (mi && seen + before + 1 == k) kth_shared = i;
+    seen += total;
+  }
+  if (bad) atomicOr(status, math::kCertaintyBadConfidence);
+  __syncthreads();
+  const int64_t window = math::certainty_window_end(kth_shared, L);
+  const int32_t end = window < G ? static_cast<int32_t>(window) : G;
+  block_rank(
+      G,
+      [&](int32_t i) -> unsigned long long {
+        return i >= b0 && i < end && m[i] ? math::certainty_key(s[i], i, i < b1) : math::kNoKey;
+      },
+      [&](int32_t i, bool member, int32_t rank) { o[i] = member && rank < k; }, tile);
+}
+
+struct CertaintySelectParams {
+  const bool* masked;  // [B, G], unit column stride, row stride m_ld
+  int64_t m_ld;
+  const float* conf;   // [B, G], unit column stride, row stride c_ld
+  int64_t c_ld;
+  int64_t B;
+  int32_t G, b0, b1, L;
+  int64_t k;
+  double sigma;
+  float* score;        // [B, G] scratch
+  bool* out;           // [B, G]
+  int* status;
+};
+
+inline void launch_certainty_select(const CertaintySelectParams& p, stream_t stream) {
+  if (p.B == 0 || p.G == 0) return;
+  const int32_t W = static_cast<int32_t>(math::density_window(p.sigma, p.G));
+  const double inv_z = 1.0 / math::density_normaliser(p.G, p.sigma);
+  DLLM_LAUNCH(certainty_select_kernel, dim3(static_cast<unsigned>(p.B)),
+              dim3(rank_block_threads(p.G)), 0, stream, p.masked, p.m_ld, p.conf, p.c_ld, p.G,
+              p.b0, p.b1, p.L, p.k, W, 1.0 / (2.0 * p.sigma * p.sigma), inv_z, p.score, p.out,
+              p.status);
 }
 
 // ============================================================================

@@ -403,21 +403,52 @@ DLLM_HD double density_normaliser(int64_t G, double sigma) {
   return z;
 }
 
-// Unnormalised D(i): the windowed sum over the padded row. `right_pad` is the
-// right pad value already resolved (right_known || decoded[G-1]). Weights come
-// from `table[|d|]` (d <= W) when given, else are computed (the device path).
-DLLM_HD double density_sum(int64_t i, int64_t G, const bool* row, bool left_pad, bool right_pad,
+// Unnormalised D(i): the windowed sum over the padded row, `decoded(j)` the
+// row's own positions (j in [0, G)). `right_pad` is the right pad value already
+// resolved (right_known || decoded(G-1)). Weights come from `table[|d|]`
+// (d <= W) when given, else are computed (the device path).
+template <typename Decoded>
+DLLM_HD double density_sum(int64_t i, int64_t G, Decoded decoded, bool left_pad, bool right_pad,
                            int64_t W, const double* table, double inv_two_sigma2) {
   const int64_t lo = i - W > -G ? i - W : -G;
   const int64_t hi = i + W < 2 * G - 1 ? i + W : 2 * G - 1;
   double acc = 0.0;
   for (int64_t j = lo; j <= hi; ++j) {
-    const bool known = j < 0 ? left_pad : (j >= G ? right_pad : row[j]);
+    const bool known = j < 0 ? left_pad : (j >= G ? right_pad : decoded(j));
     if (!known) continue;
     const int64_t d = i >= j ? i - j : j - i;
     acc += table ? table[d] : density_weight(d, inv_two_sigma2);
   }
   return acc;
+}
+
+// ============================================================================
+// certainty_select (d2Cache stage 1): the masked tokens a call recomputes
+// ============================================================================
+// In a row of G generated positions with blocks of L from column 0: the
+// search window runs from the block start b0 to the end of the block that
+// holds the k-th masked position (the row's last block when fewer than k are
+// masked); its masked positions rank in-block ([b0, b1)) first, then by
+// score = confidence x D (fp32) descending, then by index; the first k
+// are chosen.
+enum CertaintySelectStatus : int {
+  kCertaintyBadConfidence = 1,  // NaN, +-inf or < 0 at a masked position
+};
+
+DLLM_HD bool certainty_confidence_ok(float c) { return c >= 0.0f && c < INFINITY; }
+
+// The window's end (exclusive): the block boundary after position `kth`.
+DLLM_HD int64_t certainty_window_end(int64_t kth, int64_t L) { return (kth / L + 1) * L; }
+
+// The ranking score: the fp32 product of the cached confidence and D.
+DLLM_HD float certainty_score(float confidence, float density) { return confidence * density; }
+
+// Smaller key first: in-block positions, then score descending, then index
+// ascending. descending_key's high word is ~order(score) <= 0x7fffffff for a
+// score >= 0, so its top bit is free to mark "outside the block"; the keys
+// stay below kNoKey (indices < 2^29).
+DLLM_HD uint64_t certainty_key(float score, int32_t i, bool in_block) {
+  return (in_block ? uint64_t(0) : (uint64_t(1) << 63)) | descending_key(score, i);
 }
 
 }  // namespace math

@@ -824,6 +824,77 @@ static void test_certainty_density(const char* name, int B, int G, double sigma,
     }
 }
 
+// certainty_select against a host sort of the window's masks by (outside the
+// block, score desc, index asc), D from the full double sum; then a negative
+// confidence at a mask must raise the status bit.
+static void test_certainty_select(const char* name, int B, int G, int b0, int b1, int L, int k,
+                                  double sigma) {
+  std::mt19937 rng(B * 29 + G * 3 + k);
+  std::uniform_real_distribution<float> u01(0.f, 1.f);
+  std::unique_ptr<bool[]> masked(new bool[size_t(B) * G]), out(new bool[size_t(B) * G]);
+  std::vector<float> conf(size_t(B) * G), score(size_t(B) * G);
+  for (int i = 0; i < B * G; ++i) {
+    masked[i] = u01(rng) < 0.7f;
+    conf[i] = std::round(u01(rng) * 6.f) / 6.f;  // ties in the confidence
+  }
+  int status = 0;
+  auto run = [&] {
+    dllm::cuda::launch_certainty_select(
+        {.masked = masked.get(), .m_ld = G, .conf = conf.data(), .c_ld = G, .B = B, .G = G,
+         .b0 = b0, .b1 = b1, .L = L, .k = k, .sigma = sigma, .score = score.data(),
+         .out = out.get(), .status = &status},
+        nullptr);
+  };
+  run();
+  if (status != 0) {
+    std::fprintf(stderr, "FAIL %s: status %d\n", name, status);
+    ++g_failures;
+  }
+  double z = 0;
+  for (int dd = -3 * G; dd < 3 * G; ++dd) z += std::exp(-double(dd) * dd / (2 * sigma * sigma));
+  for (int b = 0; b < B; ++b) {
+    const bool* m = masked.get() + size_t(b) * G;
+    std::vector<float> sc(G);
+    std::vector<int> masks;
+    for (int i = 0; i < G; ++i) {
+      double acc = 0;
+      for (int j = -G; j < 2 * G; ++j)
+        if (j < 0 || (j >= G ? !m[G - 1] : !m[j]))
+          acc += std::exp(-double(i - j) * (i - j) / (2 * sigma * sigma));
+      sc[i] = conf[size_t(b) * G + i] * float(acc / z);
+      if (m[i]) masks.push_back(i);
+    }
+    const int kth = int(masks.size()) >= k ? masks[k - 1] : G - 1;
+    const int end = (kth / L + 1) * L;
+    std::vector<int> window;
+    for (int i : masks)
+      if (i >= b0 && i < end) window.push_back(i);
+    std::stable_sort(window.begin(), window.end(), [&](int a, int c) {
+      if ((a >= b1) != (c >= b1)) return a < b1;
+      return sc[a] > sc[c];
+    });
+    std::vector<char> want(G, 0);
+    for (int r = 0; r < std::min(k, int(window.size())); ++r) want[window[r]] = 1;
+    for (int i = 0; i < G; ++i)
+      if (out[size_t(b) * G + i] != bool(want[i])) {
+        std::fprintf(stderr, "FAIL %s[row %d, pos %d]: got %d want %d\n", name, b, i,
+                     int(out[size_t(b) * G + i]), int(want[i]));
+        ++g_failures;
+        break;
+      }
+  }
+  for (int i = 0; i < G; ++i)
+    if (masked[i]) {
+      conf[i] = -1.f;
+      break;
+    }
+  run();
+  if (status != dllm::math::kCertaintyBadConfidence) {
+    std::fprintf(stderr, "FAIL %s: a negative confidence gave status %d\n", name, status);
+    ++g_failures;
+  }
+}
+
 // drift_select(_threshold) against a host sort by (drift asc, index asc).
 template <typename T>
 static void test_drift_select(const char* name, int B, int Tn, bool by_fraction, double param,
@@ -895,6 +966,10 @@ static void test_select_family() {
   test_certainty_density("certainty_density sigma=10", 2, 70, 10.0, true, false);
   test_certainty_density("certainty_density sigma=0.7 right", 2, 33, 0.7, false, true);
   test_certainty_density("certainty_density sigma=1e3", 1, 40, 1e3, true, false);
+  test_certainty_select("certainty_select one block of 64", 2, 64, 0, 64, 64, 32, 10.0);
+  test_certainty_select("certainty_select block mid-region", 3, 70, 16, 32, 16, 9, 10.0);
+  test_certainty_select("certainty_select few masks G=300", 2, 300, 40, 60, 20, 250, 37.5);
+  test_certainty_select("certainty_select empty block", 1, 45, 20, 20, 10, 7, 5.0);
   test_drift_select<float>("drift_select<float>", 3, 90, true, 0.6, 90);
   test_drift_select<__half>("drift_select<half> T=1300", 1, 1300, true, 0.87, 1300);
   test_drift_select<float>("drift_select_threshold<float>", 3, 90, false, 0.5, 90);

@@ -287,7 +287,10 @@ class DiffusionLM(nn.Module):
 
     def logit_rows(self, plan: StepPlan, T: int) -> torch.Tensor:
         """``[B, P]``: the row of ``plan.idx`` holding each ``plan.logits_idx`` position
-        (−1 pads); a position the plan does not run is an error."""
+        (−1 pads): the plan's own ``logit_rows`` when its maker knew them, else
+        looked up here, where a position the plan does not run is an error."""
+        if plan.logit_rows is not None:
+            return plan.logit_rows
         idx = plan.idx
         B, Q = idx.shape
         # Padding entries are routed to a spare column T so they cannot

@@ -8,9 +8,9 @@ union of
    to the end of the block holding the ``current_k``-th remaining mask),
    masked tokens ranked by cached confidence × certainty density
    D(σ) (``dllm.certainty_density`` of the generated region), in-block tokens
-   first, top ``current_k``. For Dream (logits shifted by one) the position
-   j−1 that predicts a chosen mask j is what runs (the last prompt token for
-   the first generated position);
+   first, top ``current_k`` (one ``dllm.certainty_select`` per call). For
+   Dream (logits shifted by one) the position j−1 that predicts a chosen mask
+   j is what runs (the last prompt token for the first generated position);
 2. **newly revealed tokens** of the last call, whose input token, hence K/V,
    changed;
 3. **stage 2, attention rollout:** ``dllm.rollout_scores`` of the attention
@@ -91,7 +91,7 @@ import torch
 
 from .. import ops
 from ..config import CacheConfig, D2CacheConfig
-from ..plan import StepPlan, mask_to_idx
+from ..plan import StepPlan
 from .base import Policy
 
 class D2Cache(Policy):
@@ -128,14 +128,13 @@ class D2Cache(Policy):
         others = valid & ~masked & ~run
         run |= ops.nucleus_select(self._importance, others, self.rollout_p, 1)
         # Rows whose block has no masks left wait for the rest of the batch.
-        run &= valid & state.candidates().any(1, keepdim=True)
+        run &= valid & state.block_candidates().any(1, keepdim=True)
         self.selection_s += self._tick(state) - t0
         return self._remember(state, run)
 
     def on_step_end(self, state, commit: torch.Tensor) -> None:
         t0 = self._tick(state)
         plan = self._plan
-        ran = (plan.idx >= 0).any(1)
         self._refresh_confidence(state, plan, state.last_logits)
         probs = state.cache.probs
         # The rows each layer attended with (a per-layer reuse rule may drop
@@ -144,15 +143,20 @@ class D2Cache(Policy):
         row_idx = (torch.stack(rows) if rows and len(rows) == len(probs)
                    else plan.idx.unsqueeze(0).expand(len(probs), *plan.idx.shape))
         g = ops.rollout_scores(torch.stack(probs), row_idx, state.cache.key_valid)
-        self._importance = g if self._importance is None else torch.where(ran[:, None], g, self._importance)
-        self._revealed = torch.where(ran[:, None], commit, self._revealed)
+        if all(plan.row_tokens):      # every row ran (the plan knows its counts)
+            self._importance, self._revealed = g, commit
+        else:
+            ran = torch.tensor([n > 0 for n in plan.row_tokens], device=g.device)[:, None]
+            self._importance = g if self._importance is None else torch.where(ran, g, self._importance)
+            self._revealed = torch.where(ran, commit, self._revealed)
         self.selection_s += self._tick(state) - t0
 
     # -- pieces -------------------------------------------------------------
     def _begin(self, state) -> None:
         B, T = state.x.shape
         self._state = state
-        self._conf = torch.zeros(B, T, dtype=torch.float32, device=state.x.device)
+        # One spare column past the canvas takes the confidence refresh's padding.
+        self._conf = torch.zeros(B, T + 1, dtype=torch.float32, device=state.x.device)
         self._importance = None
         self._revealed = torch.zeros(B, T, dtype=torch.bool, device=state.x.device)
         self._plan = None
@@ -161,7 +165,7 @@ class D2Cache(Policy):
     def _remember(self, state, run: torch.Tensor) -> StepPlan:
         """The plan running `run`, returning logits for every masked token it predicts."""
         predicts = self._shift_to_predictor(state, state.masked() & state.valid_and_active())
-        self._plan = StepPlan(mask_to_idx(run), mask_to_idx(predicts & run), partial_logits=True)
+        self._plan = StepPlan.running(run, predicts, partial_logits=True)
         return self._plan
 
     @staticmethod
@@ -174,32 +178,14 @@ class D2Cache(Policy):
         return left
 
     def _stage1(self, state, masked: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` the masked tokens chosen by confidence × density in the search window."""
-        gs, bl = state.gen_start, state.block_length
-        m = masked[:, gs:]                                          # [B, G]
-        B, G = m.shape
-        density = ops.certainty_density(~m, self.sigma)             # prompt known, right pad rule
-        score = self._conf[:, gs:] * density
-        k = self.current_k
-        col = torch.arange(G, device=m.device)
-        reach = m.cumsum(1) >= k
-        kth = torch.where(reach.any(1), reach.int().argmax(1), torch.full_like(reach[:, 0], G - 1, dtype=torch.long))
-        search_end = (kth // bl + 1) * bl - 1                         # end of the block holding it
-        b0, b1 = state.block_start - gs, state.block_end - gs
-        cand = m & (col >= b0) & (col <= search_end[:, None])
-        in_block = cand & (col < b1)
-        # Order: in-block first, then score descending, then position ascending
-        # (two stable sorts; non-candidates at -inf sort last).
-        by_score = torch.sort(torch.where(cand, score, float("-inf")), dim=1, descending=True,
-                              stable=True).indices
-        order = by_score.gather(1, torch.sort(in_block.gather(1, by_score).to(torch.uint8), dim=1,
-                                              descending=True, stable=True).indices)
-        take = torch.clamp(cand.sum(1), max=k)
-        chosen_sorted = col[None, :] < take[:, None]
-        chosen = torch.zeros_like(m).scatter_(1, order, chosen_sorted)
-        out = torch.zeros_like(masked)
-        out[:, gs:] = chosen
-        return out
+        """``[B, T]`` the masked tokens chosen by confidence × density in the search
+        window (``dllm.certainty_select`` over the generated region)."""
+        gs = state.gen_start
+        chosen = torch.zeros_like(masked)
+        chosen[:, gs:] = ops.certainty_select(masked[:, gs:], self._conf[:, gs:-1],   # (not the spare column)
+                                              state.block_start - gs, state.block_end - gs,
+                                              state.block_length, self.current_k, self.sigma)
+        return chosen
 
     def _refresh_confidence(self, state, plan: StepPlan, logits: torch.Tensor) -> None:
         """Cache the max-probability confidence of every masked token this call predicted,
@@ -208,9 +194,9 @@ class D2Cache(Policy):
         if rows.shape[1] == 0:
             return
         conf = self._max_prob_of_rows(state, logits)                 # [B, P]
-        b, p = (rows >= 0).nonzero(as_tuple=True)
-        target = rows[b, p] + (1 if state.model.config.logit_shift else 0)
-        self._conf.index_put_((b, target), conf[b, p])
+        spare = self._conf.shape[1] - 1                              # where the padding goes
+        shift = 1 if state.model.config.logit_shift else 0
+        self._conf.scatter_(1, torch.where(rows >= 0, rows + shift, spare), conf)
 
     @staticmethod
     def _max_prob_of_rows(state, logits: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,6 @@ class RowCall:
     return_probs: bool
     reuse: object | None          # the decode's DARE rule (None: every running token recomputes)
     timer: object | None          # a LayerTimer when the decode times its layers
-    logit_rows: torch.Tensor | None = None   # ``model.logit_rows`` of the plan, when the part knows it
 
     @staticmethod
     def of(decoder: Decoder, call: PendingCall) -> "RowCall":
@@ -239,8 +238,7 @@ def fused_step(model: DiffusionLM, parts: list[RowCall]) -> list[torch.Tensor | 
             continue
         packed.put(h, i, emb)
         calls[i] = packed.guarded(i, lambda: model.layer_call(p.plan.idx, p.cache, p.return_probs))
-        rows[i] = p.logit_rows if p.logit_rows is not None else packed.guarded(
-            i, lambda: model.logit_rows(p.plan, p.x.shape[1]))
+        rows[i] = packed.guarded(i, lambda: model.logit_rows(p.plan, p.x.shape[1]))
 
     def attention(li, layer, a):
         full = [i for i in packed.alive() if parts[i].reuse is None]

@@ -61,7 +61,7 @@ from ..config import DecodeConfig
 from ..decode import call_flops, generated_count, make_sampling, up_to_eos
 from ..errors import DecodeError
 from ..models import DiffusionLM
-from ..plan import KVCache, StepPlan, masks_to_idx_counts
+from ..plan import KVCache, StepPlan, masks_to_idx_counts, rows_within
 from ..reveal import build_reveal
 from ..stats import DecodeStats
 from .fused import RowCall
@@ -319,18 +319,15 @@ class StackedDecodes:
             want = torch.roll(want, -1, dims=1)
             want[:, -1] = False
         (run_idx, queries), (logits_idx, _) = masks_to_idx_counts(run, want & run)
-        plan = StepPlan(run_idx, logits_idx)
-        plan.n_tokens = sum(queries)   # (its cached property would read the plan back)
-        # A logits position's row in the plan: the running columns before it
-        # (every one runs, by construction; model.logit_rows would check that
-        # with a host read).
-        logit_rows = torch.where(logits_idx >= 0, (run.cumsum(1) - 1).gather(1, logits_idx.clamp_min(0)), -1)
+        # (every logits position runs, by construction: the rows need no check)
+        plan = StepPlan(run_idx, logits_idx, logit_rows=rows_within(run, logits_idx))
+        plan.row_tokens = queries   # (its cached property would read the plan back)
         k, v = self.kv[:, :, :n].unbind(0)
         cache = SlabCache(k=list(k.unbind(0)), v=list(v.unbind(0)), key_valid=key_valid,
                           # a row's RoPE positions are its columns (rows are left-aligned)
                           positions=self._cols.expand(n, -1), row_lengths=[r.length for r in self.rows],
                           queries=queries)
-        return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None, logit_rows=logit_rows)
+        return RowCall(x, plan, cache, return_probs=False, reuse=None, timer=None)
 
     def end_call(self, call: RowCall, logits: torch.Tensor) -> None:
         """Commit each row's tokens from the call's ``[R, P, V]`` logits (``commit_tokens``
