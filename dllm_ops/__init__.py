@@ -16,7 +16,7 @@ else:
 from . import _fake  # noqa: E402,F401  (fake kernels for torch.compile / meta)
 from . import ops, reference  # noqa: E402
 from .ops import cosine_drift, has_cuda_kernels  # noqa: E402
-from .ops import (certainty_density, drift_select, drift_select_threshold,  # noqa: E402
+from .ops import (certainty_density, certainty_select, drift_select, drift_select_threshold,  # noqa: E402
                   select_transfer, token_confidence, token_confidence_max_prob)  # family: select
 from .ops import nucleus_select, rollout_scores  # noqa: E402  (family: rollout)
 from .ops import gather_rows, rope_scatter_kv, scatter_rows, sparse_attention  # noqa: E402  (family: sparse_kv)
@@ -28,7 +28,7 @@ from . import rope  # noqa: E402
 
 __all__ = ["ops", "reference", "cosine_drift", "has_cuda_kernels"]
 __all__ += ["token_confidence", "token_confidence_max_prob", "select_transfer",
-            "certainty_density", "drift_select", "drift_select_threshold"]
+            "certainty_density", "certainty_select", "drift_select", "drift_select_threshold"]
 __all__ += ["rollout_scores", "nucleus_select"]
 __all__ += ["rope", "rope_scatter_kv", "sparse_attention", "gather_rows", "scatter_rows"]
 __all__ += ["quant", "quantize_k", "dequantize_k", "k_quant_error", "quantize_v", "dequantize_v",

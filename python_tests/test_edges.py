@@ -114,6 +114,7 @@ def _op_inputs():
         "scatter_rows": (rows.clone(), _rnd(g, B, 3, 8), idx),
         "rollout_scores": (probs, row_idx, valid),
         "nucleus_select": (x.abs(), cand, 0.5, 1),
+        "certainty_select": (cand, x.abs(), 0, L, 4, 3, 10.0),
         "quantize_k": (kc, 4, 8, 2, imp),
         "dequantize_k": (*pk.tensors(), 4, 8, T),
         "dequantize_v": (*pv.tensors(), 4, 8),

@@ -196,6 +196,42 @@ for _B, _G in ((8, 512), (1, 4096)):
         baselines=_b, nbytes=lambda a: a[0].numel() * (1 + 4), dtypes=(torch.float32,)))
 
 
+# ---- certainty_select --------------------------------------------------------------
+# d²Cache's stage 1 over a generated region: the one op against the tensor ops
+# a decode loop would run for it (the density op, then one stable sort of an
+# int64 key: the in-block bit over the score's float bits).
+
+def _stage1_inputs(B, G):
+    def make(device, dtype):
+        g = torch.Generator().manual_seed(0)
+        masked = torch.rand(B, G, generator=g) < 0.6
+        return masked.to(device), torch.rand(B, G, generator=g).to(device)
+    return make
+
+
+def _stage1_tensor_ops(masked, conf, b0, b1, L, k, sigma=10.0):
+    G = masked.shape[1]
+    score = conf * dllm_ops.certainty_density(~masked, sigma)
+    kth = (G - (masked.cumsum(1) >= k).sum(1)).clamp_max(G - 1)
+    cand = masked[:, b0:] & (torch.arange(b0, G, device=masked.device) < ((kth // L + 1) * L)[:, None])
+    key = score[:, b0:].contiguous().view(torch.int32).long()
+    key[:, :b1 - b0] += 1 << 31
+    top, order = torch.where(cand, key, -1).sort(dim=1, descending=True, stable=True)
+    chosen = torch.zeros_like(masked)
+    chosen[:, b0:].scatter_(1, order[:, :k], top[:, :k] >= 0)
+    return chosen
+
+
+for _B, _G, _b0, _b1, _L in ((1, 64, 0, 64, 64), (1, 256, 32, 64, 32), (8, 512, 64, 96, 32)):
+    _args = (_b0, _b1, _L, 32)
+    register(Case(
+        op="certainty_select", shape=f"{_B}x{_G} block [{_b0}, {_b1}) k 32",
+        make=_stage1_inputs(_B, _G),
+        run=lambda m, c, a=_args: dllm_ops.certainty_select(m, c, *a),
+        baselines={"tensor_ops": lambda m, c, a=_args: _stage1_tensor_ops(m, c, *a)},
+        nbytes=lambda a: a[0].numel() * (1 + 4 + 1), dtypes=(torch.float32,)))
+
+
 # ---- token_confidence_max_prob -----------------------------------------------------
 # A margin reveal with EOS suppressed plus d²Cache's mask-only max probability
 # (LLaDA's ids), against the two token_confidence passes it replaces.
