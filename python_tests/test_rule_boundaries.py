@@ -92,10 +92,10 @@ def test_d2cache_stage1_takes_in_block_masks_first_and_nothing_past_the_window()
     masked = torch.zeros(1, gs + G, dtype=torch.bool)
     masked[0, gs + 7] = True                   # block 0: one mask left (col 7)
     masked[0, gs + 8:] = True                  # blocks 1 and 2: all masked
-    conf = torch.zeros(1, gs + G)
+    conf = torch.zeros(1, gs + G + 1)          # (the policy's spare last column)
     conf[0, gs + 7] = 0.01                     # in-block, least confident
     conf[0, gs + 8:gs + 16] = torch.tensor([0.2, 0.3, 0.9, 0.4, 0.8, 0.1, 0.5, 0.6])
-    conf[0, gs + 16:] = 0.95
+    conf[0, gs + 16:gs + G] = 0.95
     conf[0, gs + 16] = 1.0                     # the first token past the window
     # k = 3: the 3rd remaining mask is col 9 (block 1), so the window is cols 0..15.
     policy = D2Cache(current_k=3, sigma=1000.0)  # sigma >> G: the density is ~flat
