@@ -827,16 +827,11 @@ static void test_certainty_density(const char* name, int B, int G, double sigma,
 // certainty_select against a host sort of the window's masks by (outside the
 // block, score desc, index asc), D from the full double sum; then a negative
 // confidence at a mask must raise the status bit.
-static void test_certainty_select(const char* name, int B, int G, int b0, int b1, int L, int k,
-                                  double sigma) {
-  std::mt19937 rng(B * 29 + G * 3 + k);
-  std::uniform_real_distribution<float> u01(0.f, 1.f);
-  std::unique_ptr<bool[]> masked(new bool[size_t(B) * G]), out(new bool[size_t(B) * G]);
-  std::vector<float> conf(size_t(B) * G), score(size_t(B) * G);
-  for (int i = 0; i < B * G; ++i) {
-    masked[i] = u01(rng) < 0.7f;
-    conf[i] = std::round(u01(rng) * 6.f) / 6.f;  // ties in the confidence
-  }
+static void check_certainty_select(const char* name, int B, int G, std::unique_ptr<bool[]>& masked,
+                                   std::vector<float>& conf, int b0, int b1, int L, int k,
+                                   double sigma) {
+  std::unique_ptr<bool[]> out(new bool[size_t(B) * G]);
+  std::vector<float> score(size_t(B) * G);
   int status = 0;
   auto run = [&] {
     dllm::cuda::launch_certainty_select(
@@ -885,14 +880,51 @@ static void test_certainty_select(const char* name, int B, int G, int b0, int b1
   }
   for (int i = 0; i < G; ++i)
     if (masked[i]) {
+      const float keep = conf[i];
       conf[i] = -1.f;
+      run();
+      conf[i] = keep;
+      if (status != dllm::math::kCertaintyBadConfidence) {
+        std::fprintf(stderr, "FAIL %s: a negative confidence gave status %d\n", name, status);
+        ++g_failures;
+      }
       break;
     }
-  run();
-  if (status != dllm::math::kCertaintyBadConfidence) {
-    std::fprintf(stderr, "FAIL %s: a negative confidence gave status %d\n", name, status);
-    ++g_failures;
+}
+
+// Random rows decoded before the block (as a decode's are), 70% masked after.
+static void test_certainty_select(const char* name, int B, int G, int b0, int b1, int L, int k,
+                                  double sigma) {
+  std::mt19937 rng(B * 29 + G * 3 + k);
+  std::uniform_real_distribution<float> u01(0.f, 1.f);
+  std::unique_ptr<bool[]> masked(new bool[size_t(B) * G]);
+  std::vector<float> conf(size_t(B) * G);
+  for (int i = 0; i < B * G; ++i) {
+    masked[i] = i % G >= b0 && u01(rng) < 0.7f;
+    conf[i] = std::round(u01(rng) * 6.f) / 6.f;  // ties in the confidence
   }
+  check_certainty_select(name, B, G, masked, conf, b0, b1, L, k, sigma);
+}
+
+// Two hand-made rows (blocks of 16, the block [16, 32), k 7) where the rules
+// decide: row 0's window [16, 48) holds 8 masks, its 5 in-block ones the least
+// confident (in-block first keeps them); row 1's 7th mask is the last of
+// block [32, 48) and the 8th opens [48, 64), whose masks are the most
+// confident (the window ends with the k-th mask's block).
+static void test_certainty_select_rules() {
+  const int G = 80;
+  std::unique_ptr<bool[]> masked(new bool[2 * G]());
+  std::vector<float> conf(2 * G, 0.f);
+  auto mask = [&](int row, std::initializer_list<int> cols, float c) {
+    for (int i : cols) masked[size_t(row) * G + i] = true, conf[size_t(row) * G + i] = c;
+  };
+  mask(0, {17, 20, 25, 30, 31}, 0.1f);
+  mask(0, {33, 40, 47}, 0.8f);
+  mask(0, {50, 55, 60}, 0.99f);
+  mask(1, {17, 20, 25, 30, 31}, 0.1f);
+  mask(1, {33, 47}, 0.5f);
+  mask(1, {50, 55, 60}, 0.99f);
+  check_certainty_select("certainty_select rules", 2, G, masked, conf, 16, 32, 16, 7, 10.0);
 }
 
 // drift_select(_threshold) against a host sort by (drift asc, index asc).
@@ -970,6 +1002,8 @@ static void test_select_family() {
   test_certainty_select("certainty_select block mid-region", 3, 70, 16, 32, 16, 9, 10.0);
   test_certainty_select("certainty_select few masks G=300", 2, 300, 40, 60, 20, 250, 37.5);
   test_certainty_select("certainty_select empty block", 1, 45, 20, 20, 10, 7, 5.0);
+  test_certainty_select("certainty_select window past the block", 3, 96, 32, 48, 16, 14, 10.0);
+  test_certainty_select_rules();
   test_drift_select<float>("drift_select<float>", 3, 90, true, 0.6, 90);
   test_drift_select<__half>("drift_select<half> T=1300", 1, 1300, true, 0.87, 1300);
   test_drift_select<float>("drift_select_threshold<float>", 3, 90, false, 0.5, 90);
