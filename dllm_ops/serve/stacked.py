@@ -10,7 +10,7 @@ call of that block, and every step of a call runs once over all the rows:
 
 - the plan: ``[R, W]`` run / logits masks from per-row block bounds (the
   Fast-dLLM policies' rules, written per row) and their positions with one
-  host read (``masks_to_idx_counts``);
+  host read (``StepPlan.running``);
 - the model call: one part of the engine's fused call
   (dllm_ops/serve/fused.py), i.e. one embedding gather, one K/V write and one
   attention launch per layer over the ``[R, Q_max]`` plan (−1 pads run no
@@ -61,7 +61,7 @@ from ..config import DecodeConfig
 from ..decode import call_flops, generated_count, make_sampling, up_to_eos
 from ..errors import DecodeError
 from ..models import DiffusionLM
-from ..plan import KVCache, StepPlan, masks_to_idx_counts, rows_within
+from ..plan import KVCache, StepPlan
 from ..reveal import build_reveal
 from ..stats import DecodeStats
 from .fused import RowCall
@@ -318,10 +318,8 @@ class StackedDecodes:
         if self.model.config.logit_shift:
             want = torch.roll(want, -1, dims=1)
             want[:, -1] = False
-        (run_idx, queries), (logits_idx, _) = masks_to_idx_counts(run, want & run)
-        # (every logits position runs, by construction: the rows need no check)
-        plan = StepPlan(run_idx, logits_idx, logit_rows=rows_within(run, logits_idx))
-        plan.row_tokens = queries   # (its cached property would read the plan back)
+        plan = StepPlan.running(run, want)      # DecodeState.plan_for's, for every row at once
+        queries = plan.row_tokens
         k, v = self.kv[:, :, :n].unbind(0)
         cache = SlabCache(k=list(k.unbind(0)), v=list(v.unbind(0)), key_valid=key_valid,
                           # a row's RoPE positions are its columns (rows are left-aligned)
