@@ -132,7 +132,15 @@ def commit_tokens(state: DecodeState, plan: StepPlan, logits, rule: RevealRule,
     has = _rows_to_block(in_block, pos, in_block, n, False)          # [B, n]
     cand = state.block_candidates()                                # [B, n]
     if plan.partial_logits:
-        cand = cand & has  # d²Cache: a mask this call did not predict is not its candidate
+        # d²Cache: a mask this call did not predict is not its candidate. A row
+        # left with none while it has candidates would make no progress, call
+        # after call (a plan that predicts none of them is a policy's bug): an
+        # error rather than a decode that never ends.
+        fresh = cand & has
+        if bool((cand.any(1) & ~fresh.any(1)).any()):
+            raise DecodeError("the policy's plan has logits for none of a row's candidates "
+                              "(partial_logits): the decode would make no progress")
+        cand = fresh
     elif bool((cand & ~has).any()):
         raise DecodeError("the policy's plan has no logits for a candidate")
     token, score, uniform = block_scores(state, logits, pos, in_block, cand, rule, sampling)

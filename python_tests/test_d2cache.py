@@ -136,6 +136,32 @@ def test_every_commit_had_fresh_logits(llada):
     assert any(len(r[0]) < 2 + 1 + G for r in policy.runs[1:])
 
 
+def test_a_plan_with_logits_for_none_of_a_rows_candidates_is_an_error_not_a_hang(llada):
+    """A d²Cache-style plan (partial logits) must predict at least one candidate
+    of every row that has some: one that predicts none would commit nothing,
+    call after call. The loop raises instead (here after the first full
+    forward, by a policy whose later plans ask for no logits at all).
+    Mutation ``partial-logits-no-progress-is-an-error``."""
+    from dllm_ops.plan import StepPlan
+
+    class Blind(D2Cache):
+        calls = 0
+
+        def plan(self, state):
+            self.calls += 1
+            assert self.calls < 50, "the loop kept calling without progress"   # (bounds a regression)
+            super().plan(state)
+            run = state.valid_and_active()
+            self._plan = StepPlan.running(run, torch.zeros_like(run), partial_logits=True)
+            return self._plan
+
+    model, _ = llada
+    with pytest.raises(DecodeError, match="logits for none of a row's candidates"):
+        dllm_ops.generate(model, PROMPTS, policy=Blind(current_k=2, rollout_p=0.1, sigma=4.0),
+                          gen_length=G, block_length=G, unmask="threshold", threshold=0.3,
+                          stop_at_eos=False)
+
+
 def test_confidence_cache_holds_each_calls_fresh_confidence(llada):
     """Bug fix 1: after every call, the cached confidence of each masked token the call
     predicted is that call's max probability (mask excluded)."""
