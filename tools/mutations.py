@@ -703,8 +703,8 @@ MUTATIONS = [
     # ==== Python: d2Cache ============================================================
     Mutation("d2cache-only-fresh-masks-are-candidates",
              "dllm_ops/commit.py",
-             "cand = cand & has  # d²Cache: a mask this call did not predict is not its candidate",
-             "cand = cand  # d²Cache: a mask this call did not predict is not its candidate",
+             "        cand = fresh\n    elif bool((cand & ~has).any()):",
+             "    elif bool((cand & ~has).any()):",
              (T_RULES + "test_d2cache_commits_only_masks_the_call_predicted_when_the_quota_exceeds_them",),
              "d2Cache: a mask the call did not predict is not its candidate"),
     Mutation("d2cache-reuses-only-max-prob-scores",
