@@ -27,6 +27,13 @@ inline void check_cosine_drift(const at::Tensor& x, const at::Tensor& x_prev) {
   DLLM_CHECK(x.size(-1) > 0, op, "the feature dim D must be > 0, got shape ", x.sizes());
 }
 
+// A 2-D tensor's rows with unit column stride, read in place where they have
+// it (a slice of a wider canvas, a view into [B, L, V] logits; the kernels
+// take the row stride), else a contiguous copy.
+inline at::Tensor unit_stride_rows(const at::Tensor& t) {
+  return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous();
+}
+
 // ---- token_confidence / token_confidence_max_prob ---------------------------------
 // The two ops share one kernel, so they share these checks; `op` names the
 // one called (its messages start with dllm::<op>:).
@@ -241,12 +248,6 @@ inline void check_certainty_select(const at::Tensor& masked, const at::Tensor& c
   DLLM_CHECK(block_length >= 1, op, "block_length must be >= 1, got ", block_length);
   DLLM_CHECK(k >= 1, op, "k must be >= 1, got ", k);
   DLLM_CHECK(std::isfinite(sigma) && sigma > 0, op, "sigma must be finite and > 0, got ", sigma);
-}
-
-// [B, G] rows with unit column stride, read in place where they have it (a
-// slice of a wider canvas), else a contiguous copy.
-inline at::Tensor unit_stride_rows(const at::Tensor& t) {
-  return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous();
 }
 
 // A kernel's status bits (math::CertaintySelectStatus) as the error, naming

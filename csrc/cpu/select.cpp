@@ -108,9 +108,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> confidence_cpu(
   const cpu::Isa isa = cpu::active_isa(op);
   const int64_t N = logits.size(0), V = logits.size(1);
   // Rows may be strided (a view into [B, L, V] logits); the vocab dim must be dense.
-  const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const auto x = unit_stride_rows(logits);
   at::Tensor g;
-  if (noise) g = noise->stride(1) == 1 ? *noise : noise->contiguous();
+  if (noise) g = unit_stride_rows(*noise);
   SuppressList sup;
   sup.ids = sorted_ids(op, logits, suppress, noise, max_prob_suppress, suppress,
                        math::kConfBadSuppressId);

@@ -38,9 +38,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> confidence_cuda(
   DLLM_CUDA_ENTER(op, logits, "logits");
   const int64_t N = logits.size(0), V = logits.size(1);
   check_launch_rows(op, N);
-  const auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const auto x = unit_stride_rows(logits);
   at::Tensor g;
-  if (noise) g = noise->stride(1) == 1 ? *noise : noise->contiguous();
+  if (noise) g = unit_stride_rows(*noise);
   auto token = at::empty({N}, logits.options().dtype(at::kLong));
   auto score = at::empty({N}, logits.options().dtype(at::kFloat));
   StatusWord status(logits);
