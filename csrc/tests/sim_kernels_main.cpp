@@ -731,6 +731,35 @@ static void test_token_confidence_max_prob(const char* name, int rows, int V, in
   }
 }
 
+// Row b of a selection kernel's bool output against the host's choice; the
+// first wrong position is reported.
+static void expect_selection(const char* name, int b, const bool* got, const std::vector<char>& want) {
+  for (size_t i = 0; i < want.size(); ++i)
+    if (got[i] != bool(want[i])) {
+      std::fprintf(stderr, "FAIL %s[row %d, pos %zu]: got %d want %d\n", name, b, i, int(got[i]),
+                   int(want[i]));
+      ++g_failures;
+      return;
+    }
+}
+
+// D(i) of one row of G by the full (unwindowed) double sum: `decoded(j)` the
+// row's own positions, `left` / `right` its pads (right already resolved).
+template <typename Decoded>
+static std::vector<double> host_density(int G, double sigma, bool left, bool right, Decoded decoded) {
+  double z = 0;
+  for (int dd = -3 * G; dd < 3 * G; ++dd) z += std::exp(-double(dd) * dd / (2 * sigma * sigma));
+  std::vector<double> D(G);
+  for (int i = 0; i < G; ++i) {
+    double acc = 0;
+    for (int j = -G; j < 2 * G; ++j)
+      if (j < 0 ? left : (j >= G ? right : decoded(j)))
+        acc += std::exp(-double(i - j) * (i - j) / (2 * sigma * sigma));
+    D[i] = acc / z;
+  }
+  return D;
+}
+
 // select_transfer against a host sort by (score desc, index asc).
 template <typename T>
 static void test_select_transfer(const char* name, int B, int L, int rule, double factor) {
@@ -786,13 +815,7 @@ static void test_select_transfer(const char* name, int B, int L, int rule, doubl
       for (int i : order) want[i] = s(i) >= threshold;
       if (!order.empty()) want[order[0]] = 1;
     }
-    for (int i = 0; i < L; ++i)
-      if (out[size_t(b) * L + i] != bool(want[i])) {
-        std::fprintf(stderr, "FAIL %s[row %d, pos %d]: got %d want %d\n", name, b, i,
-                     int(out[size_t(b) * L + i]), int(want[i]));
-        ++g_failures;
-        break;
-      }
+    expect_selection(name, b, out.get() + size_t(b) * L, want);
   }
 }
 
@@ -807,21 +830,17 @@ static void test_certainty_density(const char* name, int B, int G, double sigma,
                                         .left_known = left, .right_known = right,
                                         .out = out.data()},
                                        nullptr);
-  double z = 0;
-  for (int dd = -3 * G; dd < 3 * G; ++dd) z += std::exp(-double(dd) * dd / (2 * sigma * sigma));
-  for (int b = 0; b < B; ++b)
-    for (int i = 0; i < G; ++i) {
-      double acc = 0;
-      for (int j = -G; j < 2 * G; ++j) {
-        const bool known = j < 0 ? left : (j >= G ? (right || d[size_t(b) * G + G - 1]) : d[size_t(b) * G + j]);
-        if (known) acc += std::exp(-double(i - j) * (i - j) / (2 * sigma * sigma));
-      }
-      if (!(std::fabs(out[size_t(b) * G + i] - acc / z) <= 1e-6)) {
+  for (int b = 0; b < B; ++b) {
+    const bool* row = d.get() + size_t(b) * G;
+    const std::vector<double> want =
+        host_density(G, sigma, left, right || row[G - 1], [row](int j) { return row[j]; });
+    for (int i = 0; i < G; ++i)
+      if (!(std::fabs(out[size_t(b) * G + i] - want[i]) <= 1e-6)) {
         std::fprintf(stderr, "FAIL %s[%d,%d]: got %.9g want %.9g\n", name, b, i,
-                     out[size_t(b) * G + i], acc / z);
+                     out[size_t(b) * G + i], want[i]);
         ++g_failures;
       }
-    }
+  }
 }
 
 // certainty_select against a host sort of the window's masks by (outside the
@@ -845,18 +864,13 @@ static void check_certainty_select(const char* name, int B, int G, std::unique_p
     std::fprintf(stderr, "FAIL %s: status %d\n", name, status);
     ++g_failures;
   }
-  double z = 0;
-  for (int dd = -3 * G; dd < 3 * G; ++dd) z += std::exp(-double(dd) * dd / (2 * sigma * sigma));
   for (int b = 0; b < B; ++b) {
     const bool* m = masked.get() + size_t(b) * G;
+    const std::vector<double> D = host_density(G, sigma, true, !m[G - 1], [m](int j) { return !m[j]; });
     std::vector<float> sc(G);
     std::vector<int> masks;
     for (int i = 0; i < G; ++i) {
-      double acc = 0;
-      for (int j = -G; j < 2 * G; ++j)
-        if (j < 0 || (j >= G ? !m[G - 1] : !m[j]))
-          acc += std::exp(-double(i - j) * (i - j) / (2 * sigma * sigma));
-      sc[i] = conf[size_t(b) * G + i] * float(acc / z);
+      sc[i] = conf[size_t(b) * G + i] * float(D[i]);
       if (m[i]) masks.push_back(i);
     }
     const int kth = int(masks.size()) >= k ? masks[k - 1] : G - 1;
@@ -870,13 +884,7 @@ static void check_certainty_select(const char* name, int B, int G, std::unique_p
     });
     std::vector<char> want(G, 0);
     for (int r = 0; r < std::min(k, int(window.size())); ++r) want[window[r]] = 1;
-    for (int i = 0; i < G; ++i)
-      if (out[size_t(b) * G + i] != bool(want[i])) {
-        std::fprintf(stderr, "FAIL %s[row %d, pos %d]: got %d want %d\n", name, b, i,
-                     int(out[size_t(b) * G + i]), int(want[i]));
-        ++g_failures;
-        break;
-      }
+    expect_selection(name, b, out.get() + size_t(b) * G, want);
   }
   for (int i = 0; i < G; ++i)
     if (masked[i]) {
