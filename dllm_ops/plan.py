@@ -169,8 +169,7 @@ class KVCache:
                     dtype) -> int:
         """Bytes of an :meth:`empty` cache of this geometry (what it holds for its
         whole decode): ``2 · layers · B · H_kv · T · d · itemsize``."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * batch * n_kv_heads * length * head_dim * itemsize
+        return 2 * n_layers * batch * n_kv_heads * length * head_dim * dtype.itemsize
 
     @staticmethod
     def empty(n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int,

@@ -65,9 +65,9 @@ def config(method, reveal, gen_length=16, block_length=8, steps_per_block=None):
 def stacked_schedule(model, method, reveal, steps_per_block=None):
     """Requests of one cohort kind join at calls 0, 1, 2 and 4 (different prompt
     lengths and regions, so rows sit at different calls of different blocks and
-    in two widths), one is cancelled mid-decode (a middle row: the last row
-    moves into its slot); every other answer and its counts must be
-    generate's alone."""
+    in two widths: the slab widens under a row mid-decode), one is cancelled
+    mid-decode (a middle row: the last row moves into its slot); every other
+    answer and its counts must be generate's alone."""
     engine = Engine(model, max_running=16)
     added = []
     add = StackedDecodes.add
@@ -87,10 +87,22 @@ def stacked_schedule(model, method, reveal, steps_per_block=None):
         submitted[name] = (PROMPTS[prompt], cfg)
 
     StackedDecodes.add = spy
+    widths = []
+    tick = engine.tick
+
+    def tick_and_look():
+        ran = tick()
+        assert len(engine._stacks) <= 1
+        for st in engine._stacks:
+            if not widths or widths[-1] != st.width:
+                widths.append(st.width)
+        return ran
+
+    engine.tick = tick_and_look
     try:
-        submit("a", 7, 32)                 # 46 + 32 columns: a cohort of width 96
-        submit("b", 0, 16)                 # the others: width 64
+        submit("b", 0, 16)                 # 24 + 16 columns: a cohort of width 64
         engine.tick()
+        submit("a", 7, 32)                 # 46 + 32 columns (width 96): the slab widens under b
         submit("doomed", 3, 32)
         submit("c", 10, 24)
         engine.tick()
@@ -106,6 +118,7 @@ def stacked_schedule(model, method, reveal, steps_per_block=None):
     finally:
         StackedDecodes.add = add
     assert sorted(added) == sorted(submitted)              # every request ran as a row
+    assert widths == [64, 96], widths                      # of one cohort, widened once
     assert handles["doomed"].outcome == Failed(499, "the request was cancelled")
     del submitted["doomed"]
     for name, (ids, cfg) in submitted.items():
@@ -194,34 +207,94 @@ def test_what_stacks_and_what_runs_its_own_decoder(models):
     llada, dream = model_for(models, "llada"), model_for(models, "dream")
     base = dict(shape=dict(gen_length=16, block_length=8))
     stacks = dict(cache=dict(method="dual"), reveal=dict(unmask="threshold"))
-    key = cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}), 20)
-    assert key is not None and key[-1] == canvas_width(llada, 36) == 64
-    # prompt and region may differ within a width; block length, rule and width split cohorts
-    assert cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}), 40) == key
-    assert cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}), 60) != key
+    key = cohort_key(llada, DecodeConfig.from_dict({**base, **stacks}))
+    assert key is not None
+    # the region may differ (widths are the engine's choice: test_widths_share_a_cohort_within_the_spread);
+    # block length and rule split cohorts
+    assert cohort_key(llada, DecodeConfig.from_dict({"shape": dict(gen_length=48, block_length=8), **stacks})) == key
     assert cohort_key(llada, DecodeConfig.from_dict(
-        {"shape": dict(gen_length=16, block_length=16), **stacks}), 20) != key
+        {"shape": dict(gen_length=16, block_length=16), **stacks})) != key
     own = [dict(cache=dict(method="d2cache")),
            dict(cache=dict(method="dual"), reuse=dict(method="kv", rho=0.5)),
            dict(cache=dict(method="dual"), storage=dict(method="kivi", bits=4)),
            dict(cache=dict(method="dual"), reveal=dict(unmask="threshold", prior_sigma=3.0)),
            {**stacks, "time_layers": True}]
     for tree in own:
-        assert cohort_key(llada, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
+        assert cohort_key(llada, DecodeConfig.from_dict({**base, **tree})) is None, tree
     # sampling settings are part of the cohort, not a reason to run alone
     sampled = DecodeConfig.from_dict({**base, **stacks, "reveal": dict(unmask="threshold", temperature=0.5)})
-    assert cohort_key(llada, sampled, 20) not in (None, key)
-    assert cohort_key(llada, sampled.replace(shape=sampled.shape.replace(seed=3)), 20) == \
-        cohort_key(llada, sampled, 20)
+    assert cohort_key(llada, sampled) not in (None, key)
+    assert cohort_key(llada, sampled.replace(shape=sampled.shape.replace(seed=3))) == \
+        cohort_key(llada, sampled)
     dream_own = [dict(cache=dict(method="none"), reveal=dict(alg="confidence_threshold")),
                  dict(cache=dict(method="none"), reveal=dict(alg="entropy"))]
     for tree in dream_own:
-        assert cohort_key(dream, DecodeConfig.from_dict({**base, **tree}), 20) is None, tree
+        assert cohort_key(dream, DecodeConfig.from_dict({**base, **tree})) is None, tree
     for alg in ("confidence_threshold", "entropy", "maskgit_plus", "topk_margin"):
         assert cohort_key(dream, DecodeConfig.from_dict(
-            {**base, "cache": dict(method="dual"), "reveal": dict(alg=alg)}), 20) is not None, alg
+            {**base, "cache": dict(method="dual"), "reveal": dict(alg=alg)})) is not None, alg
     # a width never exceeds the model's length limit, nor cuts a canvas
     assert canvas_width(llada, 250) == 256 and canvas_width(llada, 256) == 256
+
+
+def test_widths_share_a_cohort_within_the_spread(models):
+    """Rows of widths 64 and 96 share one slab (96 columns); one of width 160
+    (more than twice 64) starts a cohort of its own, which a later row of 96
+    does not join (its joining there would add a 160-column slot, in the first
+    only a 96-column one); the engine reserves exactly the slabs' bytes, and
+    every answer is generate's alone."""
+    model = model_for(models, "llada")
+    engine = Engine(model, max_running=16)
+    slot = {w: KVCache.full_nbytes(4, 1, 4, w, 32, torch.float32) for w in (64, 96, 128, 160)}
+    jobs = [("w64", PROMPTS[0], 16), ("w96", PROMPTS[6], 32), ("w160", PROMPTS[6], 96), ("w96b", PROMPTS[7], 32)]
+    handles = {}
+    for name, ids, gen in jobs[:3]:
+        handles[name] = engine.submit(Request(ids, config("dual", dict(unmask="threshold"), gen), gen,
+                                              request_id=name), lambda ev: None)
+    engine.tick()
+    stacks = sorted(engine._stacks, key=lambda st: st.width)
+    assert [(st.width, sorted(r.owner.request.request_id for r in st.rows)) for st in stacks] == \
+        [(96, ["w64", "w96"]), (160, ["w160"])]
+    assert engine.kv_bytes_reserved == 2 * slot[96] + slot[160]
+    assert stacks[0].fits(64) and stacks[0].fits(128) and not stacks[0].fits(160)
+    assert stacks[1].fits(96) and not stacks[1].fits(64)
+    assert stacks[0].join_nbytes(96) == slot[96] and stacks[1].join_nbytes(96) == slot[160]
+    assert stacks[0].join_nbytes(128) == 3 * slot[128] - 2 * slot[96]   # a slot, and the widening
+    name, ids, gen = jobs[3]
+    handles[name] = engine.submit(Request(ids, config("dual", dict(unmask="threshold"), gen), gen,
+                                          request_id=name), lambda ev: None)
+    engine.tick()
+    assert "w96b" in [r.owner.request.request_id for r in stacks[0].rows] and stacks[0] in engine._stacks
+    for _ in range(200):
+        if not engine.tick():
+            break
+    for name, ids, gen in jobs:
+        fin = handles[name].outcome
+        assert isinstance(fin, Finished), (name, fin)
+        want = generate(model, [ids], config("dual", dict(unmask="threshold"), gen)).sequences[0]
+        assert list(fin.token_ids) == want[:gen], name
+    assert engine.kv_bytes_reserved == 0 and not engine._stacks
+
+
+def test_a_widening_join_counts_against_the_kv_budget(models):
+    """A row that would widen a cohort's slab costs the whole widening: with a
+    budget of two 64-column slots and one 96-column one, a 96-wide request
+    behind two 64-wide rows waits (joining would take three 96-column slots)
+    until they leave, then starts a cohort of its own; what is reserved never
+    exceeds the budget."""
+    model = model_for(models, "llada")
+    slot = {w: KVCache.full_nbytes(4, 1, 4, w, 32, torch.float32) for w in (64, 96)}
+    engine = Engine(model, max_running=16, kv_budget=2 * slot[64] + slot[96])
+    jobs = [(PROMPTS[0], 16), (PROMPTS[3], 16), (PROMPTS[6], 32)]     # widths 64, 64, 96
+    handles = [engine.submit(Request(ids, config("dual", dict(unmask="threshold"), gen), gen), lambda ev: None)
+               for ids, gen in jobs]
+    engine.tick()
+    assert engine.running == 2 and engine.queued == 1 and engine.kv_bytes_reserved == 2 * slot[64]
+    for _ in range(100):
+        assert engine.kv_bytes_reserved <= engine.kv_budget
+        if not engine.tick() and not engine.queued:
+            break
+    assert all(isinstance(h.outcome, Finished) for h in handles), [h.outcome for h in handles]
 
 
 def test_masks_to_idx_counts_equals_each_mask_alone():

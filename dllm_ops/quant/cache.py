@@ -372,7 +372,7 @@ class QuantKVCache(KVCache):
         and a d²Cache call's new K/V of ``Q`` tokens live until the layer's
         re-pack; neither is counted.)"""
         T, B, H, d = self.length, self.batch, self.n_kv_heads, self.head_dim
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         full_layer = 2 * B * H * T * d * itemsize
         peak = 0
         for b in range(1 if self.mode == "d2cache" else num_blocks):
@@ -416,7 +416,7 @@ def _spec_bytes(spec) -> int:
     n = 1
     for dim in spec.shape:
         n *= dim
-    return n * torch.empty((), dtype=spec.dtype).element_size()
+    return n * spec.dtype.itemsize
 
 
 def _per_segment_max_normalised(x: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:

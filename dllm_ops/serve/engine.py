@@ -47,7 +47,7 @@ from ..models import DiffusionLM
 from .admission import EngineStopped, QueueFull, check_request
 from .fused import RowCall, fused_step
 from .metrics import ServerMetrics
-from .stacked import StackedDecodes, cohort_key, slot_nbytes
+from .stacked import StackedDecodes, canvas_width, cohort_key, slot_nbytes
 from .requests import (CANCELLED, INTERNAL_ERROR, STOPPED, TIMED_OUT, Failed, Finished, Progress,
                        Request, committed_answer)
 
@@ -140,7 +140,7 @@ class Engine:
         self._running: list[_Sequence] = []                   # the ticking thread's
         self._reserved = 0                                    # KV bytes of the running Decoders
         self.stacking = bool(stacking)
-        self._stacks: dict[tuple, StackedDecodes] = {}        # the ticking thread's, by cohort
+        self._stacks: list[StackedDecodes] = []               # the ticking thread's cohorts
         self._tick_lock = threading.Lock()                    # one model call at a time
         self._stopping = False
         self._drain_deadline: float | None = None
@@ -193,12 +193,12 @@ class Engine:
     @property
     def kv_bytes_reserved(self) -> int:
         """The running Decoders' peak KV bytes plus every cohort's whole slab."""
-        return self._reserved + sum(st.nbytes() for st in list(self._stacks.values()))
+        return self._reserved + sum(st.nbytes() for st in list(self._stacks))
 
     def kv_bytes_in_use(self) -> int:
         """KV bytes the running sequences' caches hold now (a cohort's whole slab)."""
         return (sum(s.decoder.state.cache.nbytes() for s in list(self._running) if s.decoder is not None)
-                + sum(st.nbytes() for st in list(self._stacks.values())))
+                + sum(st.nbytes() for st in list(self._stacks)))
 
     def build_decoder(self, request: Request) -> Decoder:
         """The decoder of an admitted request that does not stack (tests override
@@ -289,16 +289,26 @@ class Engine:
                                                f"(timeout_s)"))
 
     def cohort_of(self, request: Request) -> tuple | None:
-        """The cohort a request joins, or None: it runs its own Decoder
-        (:meth:`build_decoder`), also when one slot of its cohort's width would
+        """The key of the cohorts a request may join, or None: it runs its own
+        Decoder (:meth:`build_decoder`), also when one slot of its width would
         exceed the whole KV budget. (Tests that instrument a request's decoder
         route it to ``build_decoder`` here.)"""
         if not self.stacking:
             return None
-        key = cohort_key(self.model, request.config, len(request.prompt_ids))
-        if key is not None and self.kv_budget is not None and slot_nbytes(self.model, key[-1]) > self.kv_budget:
+        key = cohort_key(self.model, request.config)
+        if (key is not None and self.kv_budget is not None
+                and slot_nbytes(self.model, self._width_of(request)) > self.kv_budget):
             return None
         return key
+
+    def _width_of(self, request: Request) -> int:
+        return canvas_width(self.model, len(request.prompt_ids) + request.config.shape.gen_length)
+
+    def _cohort_for(self, key: tuple, width: int) -> StackedDecodes | None:
+        """The running cohort of ``key`` a row of ``width`` joins: of those it fits,
+        the one its joining grows least (None: it starts its own)."""
+        fitting = [st for st in self._stacks if st.key == key and st.fits(width)]
+        return min(fitting, key=lambda st: st.join_nbytes(width), default=None)
 
     def _admit(self) -> None:
         while True:
@@ -307,25 +317,29 @@ class Engine:
                     return
                 seq = self._queue[0]
                 key = self.cohort_of(seq.request)
-                stack = self._stacks.get(key) if key is not None else None
-                cost = (seq.kv_bytes if key is None else
-                        0 if stack is not None and stack.has_free_slot() else slot_nbytes(self.model, key[-1]))
+                width = stack = None
+                if key is None:
+                    cost = seq.kv_bytes
+                else:
+                    width = self._width_of(seq.request)
+                    stack = self._cohort_for(key, width)
+                    cost = slot_nbytes(self.model, width) if stack is None else stack.join_nbytes(width)
                 if self.kv_budget is not None and self.kv_bytes_reserved + cost > self.kv_budget:
                     return   # first come first served: a large request is not overtaken
                 self._queue.popleft()
-            self._start(seq, key)
+            self._start(seq, key, width, stack)
 
-    def _start(self, seq: _Sequence, key: tuple | None) -> None:
-        """The admitted request's decode: a row of its cohort, or its own Decoder."""
+    def _start(self, seq: _Sequence, key: tuple | None, width: int | None, stack: StackedDecodes | None) -> None:
+        """The admitted request's decode: a row of its cohort (``stack``, or a new
+        one of ``width``), or its own Decoder (``key`` None)."""
         try:
             if key is None:
                 seq.decoder = self.build_decoder(seq.request)
                 self._reserved += seq.kv_bytes
             else:
-                stack = self._stacks.get(key)
                 if stack is None:
-                    stack = StackedDecodes(self.model, seq.request.config, width=key[-1])
-                    self._stacks[key] = stack
+                    stack = StackedDecodes(self.model, seq.request.config, width=width)
+                    self._stacks.append(stack)
                 stack.add(seq, list(seq.request.prompt_ids), seq.request.config)
                 seq.stack = stack
         except DllmOpsError as e:
@@ -340,8 +354,7 @@ class Engine:
 
     def _drop_empty_cohorts(self) -> None:
         """An empty cohort goes, and its slab with it."""
-        for key in [k for k, st in self._stacks.items() if not st.rows]:
-            del self._stacks[key]
+        self._stacks = [st for st in self._stacks if st.rows]
 
     def _call(self) -> bool:
         t0 = time.perf_counter()
@@ -403,7 +416,7 @@ class Engine:
         """Each cohort's part of the call: ``(cohort, its rows' sequences, RowCall)``;
         rows whose decode is over are reported (and leave) first."""
         out = []
-        for stack in list(self._stacks.values()):
+        for stack in list(self._stacks):
             try:
                 over = stack.ready()
             except Exception as e:   # noqa: BLE001 -- the cohort's fault is its rows'
@@ -490,7 +503,7 @@ class Engine:
         m = self.metrics
         m.queue_depth.set(len(self._queue))
         m.running.set(len(self._running))
-        m.stacked.set(sum(len(st.rows) for st in self._stacks.values()))
+        m.stacked.set(sum(len(st.rows) for st in self._stacks))
         m.cohorts.set(len(self._stacks))
         m.kv_bytes_reserved.set(self.kv_bytes_reserved)
         m.kv_bytes_in_use.set(self.kv_bytes_in_use())

@@ -29,12 +29,26 @@ no per-layer reuse, no certainty prior, a rule that ``stacks`` (LLaDA's
 loop's block-start commit, then ``confidence_threshold`` or the timestep
 quota of ``entropy`` / ``maskgit_plus`` / ``topk_margin``, each row at its own
 call), the same block length, steps per block, reveal settings (sampling
-temperature, remasking, Dream's top-p / top-k included) and EOS stop, and a canvas of the same **width** (prompt + region rounded up to
-:data:`WIDTH_STEP` columns; a row's columns past its own length are invalid
-keys). Prompts, regions (``max_tokens``) and seeds differ freely within a
-cohort; each row draws from its own generator seeded with its request's
-seed, exactly the stream it draws alone. Every other request runs its own Decoder; cohorts and decoders still
-share each model call's GEMMs.
+temperature, remasking, Dream's top-p / top-k included) and EOS stop. Prompts,
+regions (``max_tokens``) and seeds differ freely within a cohort; each row
+draws from its own generator seeded with its request's seed, exactly the
+stream it draws alone. Every other request runs its own Decoder; cohorts and
+decoders still share each model call's GEMMs.
+
+**Width.** A row's canvas is its prompt + region; its **width** is that
+length rounded up to :data:`WIDTH_STEP` columns (:func:`canvas_width`). A
+cohort's slab is as wide as its widest row; a row's columns past its own
+length are never run nor read (invalid keys, per-row attention counts), so
+the width changes no row's bits. Rows of different widths share a cohort as
+long as the slab stays within :data:`WIDTH_SPREAD` times every row's width
+(:meth:`StackedDecodes.fits`): a row's slot then holds at most twice its own
+K/V, and prompts of any mix of lengths still stack (a cohort per width would
+split a realistic load into as many cohorts as it has lengths, each with its
+own plan, K/V writes, attention launches and commit per call). A wider row
+joining widens the slab (one copy); the width stays until the cohort
+empties, as idle slots do. Of the cohorts a row fits, it joins the one its
+joining grows least (:meth:`StackedDecodes.join_nbytes`); when it fits none
+it starts its own.
 
 **Invariance.** A row answers exactly what it answers alone: its plan holds
 the positions its own decode would plan, in the same order; the fused call's
@@ -68,12 +82,14 @@ from .fused import RowCall
 
 #: cache methods whose plan is a function of a row's block bounds alone
 STACKED_CACHES = ("none", "prefix", "dual")
-#: a cohort's canvas width is a row's length rounded up to a multiple of this
+#: a row's width is its canvas length rounded up to a multiple of this
 WIDTH_STEP = 32
+#: a cohort's slab is at most this many times as wide as any of its rows
+WIDTH_SPREAD = 2
 
 
 def canvas_width(model: DiffusionLM, length: int) -> int:
-    """The width of the cohort a canvas of ``length`` columns joins."""
+    """The width of a row whose canvas has ``length`` columns."""
     width = -(-length // WIDTH_STEP) * WIDTH_STEP
     return max(length, min(width, model.config.max_seq_len))
 
@@ -84,7 +100,7 @@ def slot_nbytes(model: DiffusionLM, width: int) -> int:
     return KVCache.full_nbytes(c.n_layers, 1, c.n_kv_heads, width, c.head_dim, model.dtype)
 
 
-def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tuple | None:
+def cohort_key(model: DiffusionLM, config: DecodeConfig) -> tuple | None:
     """What a request's decode must share with the others of its cohort, or None
     when it runs its own Decoder (see the module docstring)."""
     r, shape = config.reveal, config.shape
@@ -97,7 +113,7 @@ def cohort_key(model: DiffusionLM, config: DecodeConfig, prompt_len: int) -> tup
     elif r.unmask not in ("topk", "threshold", "factor"):
         return None
     return (config.cache.method, shape.block_length, shape.total_steps // shape.num_blocks,
-            shape.stop_at_eos, r, canvas_width(model, prompt_len + shape.gen_length))
+            shape.stop_at_eos, r)
 
 
 @dataclass
@@ -152,6 +168,7 @@ class StackedDecodes:
     def __init__(self, model: DiffusionLM, config: DecodeConfig, width: int):
         c = model.config
         self.model, self.width = model, width
+        self.key = cohort_key(model, config)
         self.method, self.block_length = config.cache.method, config.shape.block_length
         self.stop_at_eos = config.shape.stop_at_eos
         self.generators: list[torch.Generator] = []           # one per row, in row order
@@ -163,37 +180,55 @@ class StackedDecodes:
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
         self._table: torch.Tensor | None = None         # the rows' table of the call in flight
-        self._cols = torch.arange(width, device=model.device)
-        self._block_offsets = self._cols[:self.block_length]
-        self._allocate(0)
+        self._allocate(0, width)
 
     # ---- rows joining and leaving --------------------------------------------------------
-    def _allocate(self, capacity: int) -> None:
-        """Slots for ``capacity`` rows (the rows so far keep theirs). K and V of
-        every layer are views of one buffer, so a row moves in one copy. A
-        slot's K/V are never cleared: a row's first call runs (writes) all its
-        columns before any layer reads them, and columns past a row's length
-        are never read (SlabCache's per-row counts)."""
+    def _allocate(self, capacity: int, width: int) -> None:
+        """Slots for ``capacity`` rows of ``width`` columns, no narrower than the
+        slab (the rows so far keep theirs). K and V of every layer are views of
+        one buffer, so a row moves in one copy. A slot's K/V are never cleared:
+        a row's first call runs (writes) all its columns before any layer reads
+        them, and columns past a row's length are never read (SlabCache's
+        per-row counts)."""
         c, dev = self.model.config, self.model.device
-        W, n = self.width, len(self.rows)
+        W, n = width, len(self.rows)
         x = torch.full((capacity, W), c.pad_id, dtype=torch.long, device=dev)
         active = torch.zeros(capacity, dtype=torch.bool, device=dev)
         kv = torch.empty((2, c.n_layers, capacity, c.n_kv_heads, W, c.head_dim), dtype=self.model.dtype,
                          device=dev)
         if n:
-            x[:n], active[:n] = self.x[:n], self.active[:n]
-            kv[:, :, :n] = self.kv[:, :, :n]
-        self.x, self.active, self.kv = x, active, kv
+            w = self.width
+            x[:n, :w], active[:n] = self.x[:n], self.active[:n]
+            kv[:, :, :n, :, :w] = self.kv[:, :, :n]
+        self.x, self.active, self.kv, self.width = x, active, kv, W
         self.k, self.v = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+        self._cols = torch.arange(W, device=dev)
+        self._block_offsets = self._cols[:self.block_length]
+
+    def fits(self, width: int) -> bool:
+        """Whether a row of ``width`` (:func:`canvas_width`) may join: the slab,
+        widened to it if need be, stays within WIDTH_SPREAD times every row's
+        width (the newcomer's included)."""
+        narrowest = min([width] + [canvas_width(self.model, r.length) for r in self.rows])
+        return max(self.width, width) <= WIDTH_SPREAD * narrowest
+
+    def join_nbytes(self, width: int) -> int:
+        """The bytes the slab grows by when a row of ``width`` joins (a slot when
+        every slot is taken, the widening when it is wider)."""
+        slots = self.x.shape[0] + (0 if self.has_free_slot() else 1)
+        return slots * slot_nbytes(self.model, max(self.width, width)) - self.nbytes()
 
     def add(self, owner, prompt_ids: list[int], config: DecodeConfig) -> None:
-        """A request joins: its canvas in the next row (the slab grows by one row when full)."""
+        """A request joins: its canvas in the next row (the slab grows by one row
+        when full, and widens to the row's width when narrower)."""
         n, c = len(self.rows), self.model.config
         P, G = len(prompt_ids), config.shape.gen_length
-        if P + G > self.width:
-            raise DecodeError(f"a canvas of {P + G} columns does not fit this cohort's {self.width}")
-        if n == self.x.shape[0]:
-            self._allocate(n + 1)
+        width = canvas_width(self.model, P + G)
+        if not self.fits(width):
+            raise DecodeError(f"a canvas of {P + G} columns does not fit this cohort (width {self.width}, "
+                              f"rows within {WIDTH_SPREAD}x of it)")
+        if n == self.x.shape[0] or width > self.width:
+            self._allocate(max(n + 1, self.x.shape[0]), max(width, self.width))
         canvas = list(prompt_ids) + [c.mask_id] * G + [c.pad_id] * (self.width - P - G)
         self.x[n] = torch.tensor(canvas, dtype=torch.long, device=self.x.device)
         self.active[n] = True
@@ -213,7 +248,7 @@ class StackedDecodes:
         self.rows.pop()
         self.generators.pop()
         if not self.rows:
-            self._allocate(0)
+            self._allocate(0, self.width)
 
     def index(self, owner) -> int:
         for i, row in enumerate(self.rows):
