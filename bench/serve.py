@@ -304,11 +304,21 @@ def summarize(concurrency: int, results: list[Result | None], wall: float, refer
 COLUMNS = [("concurrency", "conc", "d"), ("requests", "reqs", "d"), ("ok", "ok", "d"),
            ("errors", "err", "d"), ("lost", "lost", "d"), ("differ", "≠gen", "d"),
            ("req_s", "req/s", ".2f"), ("tok_s", "tok/s", ".1f"), ("x_seq", "x_seq", ".2f"),
+           ("x_c1", "x_c1", ".2f"),
            ("ttft_p50_ms", "ttft50", ".0f"), ("ttft_p99_ms", "ttft99", ".0f"),
            ("gap_p50_ms", "gap50", ".0f"), ("gap_p99_ms", "gap99", ".0f"),
            ("lat_p50_ms", "lat50", ".0f"), ("lat_p99_ms", "lat99", ".0f"),
            ("srv_cpu_ms", "srv_cpu", ".2f"), ("eng_cpu_ms", "eng_cpu", ".2f"), ("engine_ms", "engine", ".2f"),
            ("cli_cpu_ms", "cli_cpu", ".2f")]
+
+
+def add_ratio_to_concurrency_1(rows: list[dict]) -> None:
+    """Each level's throughput over concurrency 1's in the same run (``x_c1``),
+    where that level was run and answered."""
+    base = next((r["req_s"] for r in rows if r["concurrency"] == 1), 0)
+    if base > 0:
+        for r in rows:
+            r["x_c1"] = r["req_s"] / base
 
 
 def format_table(rows: list[dict]) -> str:
@@ -379,6 +389,7 @@ def cmd_serve(args) -> int:
         if server is not None:
             rc = server.terminate(args.time_limit)
             print(f"server exited with status {rc} after SIGTERM")
+    add_ratio_to_concurrency_1(rows)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -126,6 +126,19 @@ def test_bench_serve_end_to_end(tmp_path):
     assert [r["concurrency"] for r in report["rows"]] == [1, 2]
     for row in report["rows"]:
         assert (row["requests"], row["ok"], row["errors"], row["lost"], row["differ"]) == (3, 3, 0, 0, 0), row
+        assert row["x_c1"] == row["req_s"] / report["rows"][0]["req_s"]
+
+
+def test_bench_serve_ratio_to_concurrency_1():
+    """x_c1: each level's req/s over concurrency 1's; absent without that level
+    or when it answered nothing."""
+    from bench.serve import add_ratio_to_concurrency_1, format_table
+    rows = [dict(concurrency=1, req_s=40.0), dict(concurrency=16, req_s=210.0)]
+    add_ratio_to_concurrency_1(rows)
+    assert [r["x_c1"] for r in rows] == [1.0, 5.25] and "| x_c1 |" in format_table(rows)
+    for rows in ([dict(concurrency=4, req_s=40.0)], [dict(concurrency=1, req_s=0.0), dict(concurrency=4, req_s=9.0)]):
+        add_ratio_to_concurrency_1(rows)
+        assert all("x_c1" not in r for r in rows)
 
 
 @pytest.mark.models
