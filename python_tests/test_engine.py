@@ -445,7 +445,7 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
 
         def refuses_several_rows(linear, x):
             call = current.get("call")
-            if (call is not None and len(call.alive()) > 1 and x.shape[0] == call.tokens
+            if (call is not None and len(call.alive()) > 1 and x.shape[0] == call.rows
                     and id(linear) in refused):
                 raised.append(x.shape[0])
                 raise RuntimeError("batched projection fault on purpose")
@@ -455,7 +455,7 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
 
         def refuses_several_rows_together(linears, x):
             call = current.get("call")
-            if (call is not None and len(call.alive()) > 1 and x.shape[0] == call.tokens
+            if (call is not None and len(call.alive()) > 1 and x.shape[0] == call.rows
                     and any(id(linear) in refused for linear in linears)):
                 raised.append(x.shape[0])
                 raise RuntimeError("batched projection fault on purpose")
@@ -467,7 +467,7 @@ def test_a_fault_fails_only_its_request(llada, fault, monkeypatch):
 
         def refuses_several_rows(self, x):
             call = current.get("call")
-            if call is not None and len(call.alive()) > 1 and x.shape[1] == call.tokens:
+            if call is not None and len(call.alive()) > 1 and x.shape[1] == call.rows:
                 raised.append(x.shape[1])
                 raise RuntimeError("batched MLP fault on purpose")
             return mlp(self, x)

@@ -203,6 +203,33 @@ def test_stacked_logits_are_bitwise_the_single_calls(models, arch):
     assert all(not d.ready() for d in singles)
 
 
+def test_a_fused_call_pads_its_token_rows_once(models, monkeypatch):
+    """The fused call's hidden states carry the zero rows every token-row GEMM
+    pads to, so no layer's GEMM pads (and slices) its rows again: of the
+    call's padding, only the LM head's gathered rows are left."""
+    from dllm_ops.models import transformer
+    model = model_for(models, "llada")
+    cfgs = [config("dual", dict(unmask="threshold"), gen_length=g) for g in (16, 32, 16)]
+    stack = StackedDecodes(model, cfgs[0], width=96)
+    for i, (p, c) in enumerate(zip([PROMPTS[0], PROMPTS[6], PROMPTS[3]], cfgs)):
+        stack.add(i, p, c)
+    stack.ready()
+    call = stack.begin_call()
+    tokens = call.plan.n_tokens
+    assert tokens % 16, tokens                  # (block starts: 40 + 78 + 34 columns)
+    padded, pad = [], transformer.pad_token_rows
+
+    def spy(x):
+        out = pad(x)
+        if out[0] is not x:
+            padded.append(x.numel() // x.shape[-1])
+        return out
+
+    monkeypatch.setattr(transformer, "pad_token_rows", spy)
+    fused_step(model, [call])
+    assert padded == [call.plan.logits_idx.numel()], (padded, tokens)
+
+
 def test_what_stacks_and_what_runs_its_own_decoder(models):
     llada, dream = model_for(models, "llada"), model_for(models, "dream")
     base = dict(shape=dict(gen_length=16, block_length=8))

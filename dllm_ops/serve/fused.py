@@ -14,8 +14,11 @@ of their rows, then ``end_call`` on each with its own logits rows. :func:`fused_
   q/k/v and output projections of every row without a DARE rule. Each is a
   token-wise function of a token's own hidden state and the shared weights,
   so it runs once over every planned token of those rows, packed one after
-  another into ``[1, tokens, C]`` (no padding to the longest plan): one GEMM
-  per weight and call, however many requests run, instead of one per request.
+  another into ``[1, rows, C]`` (no padding to the longest plan; zero rows
+  after the last part's up to a multiple of ``GEMM_ROW_TILE``, the rows every
+  token-row GEMM pads to anyway, so that none of them pads and slices its
+  rows again): one GEMM per weight and call, however many requests run,
+  instead of one per request.
 - **per row**: the embedding gather, the K/V write and the attention over the
   row's own cache, and a DARE row's whole attention branch. Each row runs
   with its own ``LayerCall`` (positions, RoPE, its cache, whether its policy
@@ -48,7 +51,7 @@ import torch
 
 from ..decode import Decoder, PendingCall
 from ..layer_timer import NO_TIMER
-from ..models.transformer import (DiffusionLM, full_attention, token_linear, token_linears,
+from ..models.transformer import (GEMM_ROW_TILE, DiffusionLM, full_attention, token_linear, token_linears,
                                   write_and_attend)
 from ..plan import KVCache, StepPlan
 
@@ -87,9 +90,10 @@ class _Timers:
 
 class _PackedTokens:
     """Where each part's tokens sit in the fused call's packed hidden states
-    ``[1, tokens, C]`` (part i: the real entries of its ``B_i x Q_i`` plan,
-    row-major, from ``start[i]``; its −1 pads take no row), and which parts
-    failed. Packing instead of padding every part to the longest plan keeps a
+    ``[1, rows, C]`` (part i: the real entries of its ``B_i x Q_i`` plan,
+    row-major, from ``start[i]``; its −1 pads take no row; the ``rows -
+    tokens`` rows after the last part's are zero padding, no part's), and
+    which parts failed. Packing instead of padding every part to the longest plan keeps a
     block-start call (every canvas token) from multiplying the other parts'
     MLP and LM-head rows, and the rows a stacked part pads from running at all."""
 
@@ -105,6 +109,7 @@ class _PackedTokens:
                              else (p.plan.idx >= 0).reshape(-1).nonzero().view(-1))
             at += n
         self.tokens = at
+        self.rows = at + -at % GEMM_ROW_TILE
         self.failed: dict[int, Exception] = {}
 
     def alive(self):
@@ -171,7 +176,7 @@ class _PackedTokens:
 def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
                             packed: _PackedTokens, full: list[int], calls: dict) -> torch.Tensor:
     """The attention branch of the parts in ``full`` (no DARE rule: every running
-    row recomputes), as ``[1, tokens, C]`` (zeros at the other parts' rows):
+    row recomputes), as ``[1, rows, C]`` (zeros at the other parts' rows):
     the q/k/v projections run once over all their packed rows, each part
     writes its K/V and attends on its own cache, and the output projection
     runs once over all of them. The same ``token_linear`` GEMMs as
@@ -180,7 +185,7 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
     every = len(full) == len(packed.parts)
     rows = None if every else torch.cat([torch.arange(packed.span(i).start, packed.span(i).stop,
                                                       device=a.device) for i in full])
-    a_full = a[0] if rows is None else a[0, rows]
+    a_full = a[0] if rows is None else a[0, rows]      # (every part: the padding rows too)
     try:
         q, k, v = token_linears((layer.q, layer.k, layer.v), a_full)
     except Exception:   # noqa: BLE001 -- find the parts that fail alone
@@ -202,7 +207,9 @@ def full_recompute_branches(model: DiffusionLM, li: int, layer, a: torch.Tensor,
             done.append((i, rows_i))
             values.append(packed.compact(i, value))
     all_done = len(done) == len(full)
-    if all_done:   # every part's rows, in order: no zeros to fill
+    if all_done:   # every part's rows, in order: no zeros to fill but the padding rows
+        if a_full.shape[0] > at:
+            values.append(q.new_zeros((a_full.shape[0] - at, q.shape[-1])))
         pre_o = values[0] if len(values) == 1 else torch.cat(values)
     else:
         pre_o = torch.zeros((a_full.shape[0], q.shape[-1]), dtype=q.dtype, device=q.device)
@@ -230,7 +237,7 @@ def fused_step(model: DiffusionLM, parts: list[RowCall]) -> list[torch.Tensor | 
     if not parts:
         return []
     packed = _PackedTokens(parts)
-    h = torch.zeros((1, packed.tokens, model.config.hidden_size), dtype=model.dtype, device=model.device)
+    h = torch.zeros((1, packed.rows, model.config.hidden_size), dtype=model.dtype, device=model.device)
     calls, rows = {}, {}
     for i, p in enumerate(parts):
         emb = packed.guarded(i, lambda: model.embed_tokens(p.x, p.plan.idx))
