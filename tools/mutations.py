@@ -492,7 +492,7 @@ MUTATIONS = [
              "fused call: the output projection runs over the padded rows the residual holds"),
     Mutation("fused-padded-logit-rows-uncompacted",
              "dllm_ops/serve/fused.py",
-             "                entry = ((self.parts[i].plan.idx >= 0).reshape(-1).cumsum(0) - 1)[entry.clamp_min(0)]\n",
+             "                entry = self.place[i][0, entry.clamp_min(0)]\n",
              "                entry = entry\n",
              ("python_tests/test_stacked.py::test_stacked_logits_are_bitwise_the_single_calls[llada]",),
              "fused call: a padded part's logits rows are its real tokens' places in the packing"),

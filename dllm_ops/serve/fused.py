@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ops
 from ..decode import Decoder, PendingCall
 from ..layer_timer import NO_TIMER
 from ..models.transformer import (GEMM_ROW_TILE, DiffusionLM, full_attention, token_linear, token_linears,
@@ -99,14 +100,20 @@ class _PackedTokens:
 
     def __init__(self, parts: list[RowCall]):
         self.parts = parts
-        self.start, self.count, self.real, at = [], [], [], 0
+        self.start, self.count, self.real, self.place, at = [], [], [], [], 0
         for p in parts:
             self.start.append(at)
             n = p.plan.n_tokens
             self.count.append(n)
-            # the flat plan entries that are tokens (None: all of them)
-            self.real.append(None if n == p.plan.idx.numel()
-                             else (p.plan.idx >= 0).reshape(-1).nonzero().view(-1))
+            if n == p.plan.idx.numel():      # every plan entry is a token
+                self.real.append(None)
+                self.place.append(None)
+            else:
+                # the flat plan entries that are tokens (their number is known:
+                # no device sync), and each entry's place among them (−1: a pad)
+                real = (p.plan.idx >= 0).reshape(-1)
+                self.real.append(torch.nonzero_static(real, size=n).view(-1))
+                self.place.append(torch.where(real, real.cumsum(0) - 1, -1)[None])
             at += n
         self.tokens = at
         self.rows = at + -at % GEMM_ROW_TILE
@@ -121,11 +128,9 @@ class _PackedTokens:
     def expand(self, i: int, rows: torch.Tensor) -> torch.Tensor:
         """Part ``i``'s packed rows ``[n_i, X]`` as its plan's ``[B_i, Q_i, X]`` (zeros at pads)."""
         B, Q = self.parts[i].plan.idx.shape
-        if self.real[i] is None:
+        if self.place[i] is None:
             return rows.reshape(B, Q, rows.shape[-1])
-        out = rows.new_zeros((B * Q, rows.shape[-1]))
-        out.index_copy_(0, self.real[i], rows)
-        return out.view(B, Q, rows.shape[-1])
+        return ops.gather_rows(rows[None], self.place[i]).view(B, Q, rows.shape[-1])
 
     def compact(self, i: int, value: torch.Tensor) -> torch.Tensor:
         """Part ``i``'s ``[B_i, Q_i, X]`` as its packed rows ``[n_i, X]`` (pads dropped)."""
@@ -167,8 +172,8 @@ class _PackedTokens:
         for i, r in rows.items():
             B, Q = self.parts[i].plan.idx.shape
             entry = r + Q * torch.arange(B, device=r.device)[:, None]    # into the flat plan
-            if self.real[i] is not None:   # a flat plan entry's place among the part's tokens
-                entry = ((self.parts[i].plan.idx >= 0).reshape(-1).cumsum(0) - 1)[entry.clamp_min(0)]
+            if self.place[i] is not None:   # a flat plan entry's place among the part's tokens
+                entry = self.place[i][0, entry.clamp_min(0)]
             flat.append(torch.where(r >= 0, entry + self.start[i], torch.full_like(r, -1)).reshape(-1))
         return torch.cat(flat)[None]
 
