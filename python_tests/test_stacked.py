@@ -387,6 +387,38 @@ def test_slots_follow_the_rows(models):
     assert stack.nbytes() == 0 and not stack.rows
 
 
+def test_rows_joining_between_calls_cost_one_allocation(models, monkeypatch):
+    """Rows that join between two calls (a burst of admissions) are counted at
+    once (slots, bytes) and written into the slab with one allocation and one
+    copy of the rows already there, not one each."""
+    model = model_for(models, "llada")
+    cfg = config("dual", dict(unmask="threshold"))
+    stack = StackedDecodes(model, cfg, width=64)
+    sizes, allocate = [], StackedDecodes._allocate
+
+    def spy(self, capacity, width):
+        sizes.append((capacity, width))
+        return allocate(self, capacity, width)
+
+    monkeypatch.setattr(StackedDecodes, "_allocate", spy)
+    slot = KVCache.full_nbytes(4, 1, 4, 64, 32, torch.float32)
+    for i in range(5):
+        stack.add(i, PROMPTS[i], cfg)
+    assert stack.nbytes() == 5 * slot and not stack.has_free_slot() and sizes == []
+    stack.ready()
+    assert sizes == [(5, 64)]
+    assert all(stack.x[i, :len(PROMPTS[i])].tolist() == PROMPTS[i] for i in range(5))
+    call = stack.begin_call()
+    stack.end_call(call, fused_step(model, [call])[0])
+    before = [t.clone() for t in (stack.x[:5], stack.k[2][:5])]
+    for i in range(5, 8):
+        stack.add(i, PROMPTS[i], cfg)
+    stack.ready()
+    assert sizes == [(5, 64), (8, 64)] and stack.nbytes() == 8 * slot
+    assert torch.equal(stack.x[:5], before[0]) and torch.equal(stack.k[2][:5], before[1])
+    assert all(stack.x[i, :len(PROMPTS[i])].tolist() == PROMPTS[i] for i in range(5, 8))
+
+
 def test_a_fault_in_a_cohort_fails_only_its_rows(models, monkeypatch):
     """A commit that raises for a cohort fails that cohort's requests (500); a
     request of another cohort and one on its own Decoder decode on, exactly."""

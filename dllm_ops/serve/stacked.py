@@ -143,6 +143,7 @@ class StackedRow:
     prompt_len: int                # the row's region starts here (rows are left-aligned)
     gen_length: int
     block_limit: int
+    width: int                     # canvas_width of its length
     blocks_decoded: int = 0
     block_start: int = 0
     step: int = 0                  # calls made in the current block
@@ -180,74 +181,132 @@ class StackedDecodes:
         self.mask_id, self.last_scores = c.mask_id, None     # what block_scores reads and writes
         self.rows: list[StackedRow] = []
         self._table: torch.Tensor | None = None         # the rows' table of the call in flight
+        # The slab as counted (``slots`` rows of ``width`` columns) may run ahead
+        # of the tensors until they are next read: the rows that join between
+        # two calls (a burst of admissions) cost one allocation and one copy of
+        # the rows already there, not one each (see _materialize).
+        self.slots = 0
+        self._written = 0                  # rows[:_written] have their canvas in the tensors
+        self._joining: list[list[int]] = []   # the canvases of rows[_written:]
         self._allocate(0, width)
 
-    # ---- rows joining and leaving --------------------------------------------------------
+    # ---- the slab: counted, and the tensors that hold it -----------------------------------
     def _allocate(self, capacity: int, width: int) -> None:
-        """Slots for ``capacity`` rows of ``width`` columns, no narrower than the
-        slab (the rows so far keep theirs). K and V of every layer are views of
-        one buffer, so a row moves in one copy. A slot's K/V are never cleared:
-        a row's first call runs (writes) all its columns before any layer reads
-        them, and columns past a row's length are never read (SlabCache's
-        per-row counts)."""
+        """Tensors for ``capacity`` rows of ``width`` columns, no narrower than
+        before, with the rows written so far. K and V of every layer are views
+        of one buffer, so a row moves in one copy. A slot's K/V are never
+        cleared: a row's first call runs (writes) all its columns before any
+        layer reads them, and columns past a row's length are never read
+        (SlabCache's per-row counts)."""
         c, dev = self.model.config, self.model.device
-        W, n = width, len(self.rows)
+        W, n = width, self._written
         x = torch.full((capacity, W), c.pad_id, dtype=torch.long, device=dev)
         active = torch.zeros(capacity, dtype=torch.bool, device=dev)
         kv = torch.empty((2, c.n_layers, capacity, c.n_kv_heads, W, c.head_dim), dtype=self.model.dtype,
                          device=dev)
         if n:
-            w = self.width
-            x[:n, :w], active[:n] = self.x[:n], self.active[:n]
-            kv[:, :, :n, :, :w] = self.kv[:, :, :n]
-        self.x, self.active, self.kv, self.width = x, active, kv, W
-        self.k, self.v = list(kv[0].unbind(0)), list(kv[1].unbind(0))
-        self._cols = torch.arange(W, device=dev)
-        self._block_offsets = self._cols[:self.block_length]
+            w = self._x.shape[1]
+            x[:n, :w], active[:n] = self._x[:n], self._active[:n]
+            kv[:, :, :n, :, :w] = self._kv[:, :, :n]
+        self._x, self._active, self._kv = x, active, kv
+        self._k, self._v = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+        self._col_index = torch.arange(W, device=dev)
 
+    def _materialize(self) -> None:
+        """Bring the tensors to the counted slab and write the joined rows' canvases."""
+        if self._joining or self._x.shape != (self.slots, self.width):
+            if self._x.shape != (self.slots, self.width):
+                self._allocate(self.slots, self.width)
+            if self._joining:
+                n, c = self._written, self.model.config
+                rows = [canvas + [c.pad_id] * (self.width - len(canvas)) for canvas in self._joining]
+                self._x[n:n + len(rows)] = torch.tensor(rows, dtype=torch.long, device=self._x.device)
+                self._active[n:n + len(rows)] = True
+                self._written, self._joining = n + len(rows), []
+
+    @property
+    def x(self) -> torch.Tensor:
+        """``[slots, width]`` the rows' canvases (pad past each row's length)."""
+        self._materialize()
+        return self._x
+
+    @property
+    def active(self) -> torch.Tensor:
+        self._materialize()
+        return self._active
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """``[2, layers, slots, H_kv, width, d]``: K and V of every layer."""
+        self._materialize()
+        return self._kv
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        self._materialize()
+        return self._k
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        self._materialize()
+        return self._v
+
+    @property
+    def _cols(self) -> torch.Tensor:
+        self._materialize()
+        return self._col_index
+
+    @property
+    def _block_offsets(self) -> torch.Tensor:
+        return self._cols[:self.block_length]
+
+    # ---- rows joining and leaving --------------------------------------------------------
     def fits(self, width: int) -> bool:
         """Whether a row of ``width`` (:func:`canvas_width`) may join: the slab,
         widened to it if need be, stays within WIDTH_SPREAD times every row's
         width (the newcomer's included)."""
-        narrowest = min([width] + [canvas_width(self.model, r.length) for r in self.rows])
+        narrowest = min([width] + [r.width for r in self.rows])
         return max(self.width, width) <= WIDTH_SPREAD * narrowest
 
     def join_nbytes(self, width: int) -> int:
         """The bytes the slab grows by when a row of ``width`` joins (a slot when
         every slot is taken, the widening when it is wider)."""
-        slots = self.x.shape[0] + (0 if self.has_free_slot() else 1)
+        slots = self.slots + (0 if self.has_free_slot() else 1)
         return slots * slot_nbytes(self.model, max(self.width, width)) - self.nbytes()
 
     def add(self, owner, prompt_ids: list[int], config: DecodeConfig) -> None:
         """A request joins: its canvas in the next row (the slab grows by one row
-        when full, and widens to the row's width when narrower)."""
-        n, c = len(self.rows), self.model.config
+        when full, and widens to the row's width when narrower; the tensors
+        follow when next read)."""
+        c = self.model.config
         P, G = len(prompt_ids), config.shape.gen_length
         width = canvas_width(self.model, P + G)
         if not self.fits(width):
             raise DecodeError(f"a canvas of {P + G} columns does not fit this cohort (width {self.width}, "
                               f"rows within {WIDTH_SPREAD}x of it)")
-        if n == self.x.shape[0] or width > self.width:
-            self._allocate(max(n + 1, self.x.shape[0]), max(width, self.width))
-        canvas = list(prompt_ids) + [c.mask_id] * G + [c.pad_id] * (self.width - P - G)
-        self.x[n] = torch.tensor(canvas, dtype=torch.long, device=self.x.device)
-        self.active[n] = True
+        if not self.has_free_slot():
+            self.slots += 1
+        self.width = max(width, self.width)
+        self._joining.append(list(prompt_ids) + [c.mask_id] * G)
         self.generators.append(torch.Generator(device="cpu").manual_seed(config.shape.seed))
-        self.rows.append(StackedRow(owner, P, G, config.shape.blocks_to_decode))
+        self.rows.append(StackedRow(owner, P, G, config.shape.blocks_to_decode, width))
 
     def remove(self, owner) -> None:
         """A request leaves: the last row moves into its slot; an empty cohort frees its slab."""
         r = self.index(owner)
+        self._materialize()
         last = len(self.rows) - 1
         if r != last:
-            for t in (self.x, self.active):
+            for t in (self._x, self._active):
                 t[r] = t[last]
-            self.kv[:, :, r] = self.kv[:, :, last]
+            self._kv[:, :, r] = self._kv[:, :, last]
             self.rows[r] = self.rows[last]
             self.generators[r] = self.generators[last]
         self.rows.pop()
         self.generators.pop()
+        self._written -= 1
         if not self.rows:
+            self.slots = 0
             self._allocate(0, self.width)
 
     def index(self, owner) -> int:
@@ -261,14 +320,14 @@ class StackedDecodes:
 
     def nbytes(self) -> int:
         """Bytes the slab's K/V hold, every slot counted (idle ones too)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return self.slots * slot_nbytes(self.model, self.width)
 
     def row_nbytes(self) -> int:
         """Bytes one more slot adds to the slab."""
         return slot_nbytes(self.model, self.width)
 
     def has_free_slot(self) -> bool:
-        return len(self.rows) < self.x.shape[0]
+        return len(self.rows) < self.slots
 
     # ---- one call ----------------------------------------------------------------------------
     def _block_columns(self, starts: torch.Tensor) -> torch.Tensor:
