@@ -136,6 +136,14 @@ class SlabCache(KVCache):
                                     self.queries, self.row_lengths)
 
 
+def _materialized(name: str) -> property:
+    """A StackedDecodes tensor, read after the slab's tensors are brought to its count."""
+    def read(self):
+        self._materialize()
+        return getattr(self, name)
+    return property(read)
+
+
 @dataclass(eq=False)
 class StackedRow:
     """One request's place in a cohort: its geometry, its block, its counts."""
@@ -214,47 +222,25 @@ class StackedDecodes:
 
     def _materialize(self) -> None:
         """Bring the tensors to the counted slab and write the joined rows' canvases."""
-        if self._joining or self._x.shape != (self.slots, self.width):
-            if self._x.shape != (self.slots, self.width):
-                self._allocate(self.slots, self.width)
-            if self._joining:
-                n, c = self._written, self.model.config
-                rows = [canvas + [c.pad_id] * (self.width - len(canvas)) for canvas in self._joining]
-                self._x[n:n + len(rows)] = torch.tensor(rows, dtype=torch.long, device=self._x.device)
-                self._active[n:n + len(rows)] = True
-                self._written, self._joining = n + len(rows), []
+        if self._x.shape != (self.slots, self.width):
+            self._allocate(self.slots, self.width)
+        if self._joining:
+            n, c = self._written, self.model.config
+            rows = [canvas + [c.pad_id] * (self.width - len(canvas)) for canvas in self._joining]
+            self._x[n:n + len(rows)] = torch.tensor(rows, dtype=torch.long, device=self._x.device)
+            self._active[n:n + len(rows)] = True
+            self._written, self._joining = n + len(rows), []
 
-    @property
-    def x(self) -> torch.Tensor:
-        """``[slots, width]`` the rows' canvases (pad past each row's length)."""
-        self._materialize()
-        return self._x
-
-    @property
-    def active(self) -> torch.Tensor:
-        self._materialize()
-        return self._active
-
-    @property
-    def kv(self) -> torch.Tensor:
-        """``[2, layers, slots, H_kv, width, d]``: K and V of every layer."""
-        self._materialize()
-        return self._kv
-
-    @property
-    def k(self) -> list[torch.Tensor]:
-        self._materialize()
-        return self._k
-
-    @property
-    def v(self) -> list[torch.Tensor]:
-        self._materialize()
-        return self._v
-
-    @property
-    def _cols(self) -> torch.Tensor:
-        self._materialize()
-        return self._col_index
+    # The slab's tensors, brought to the count when read: x ``[slots, width]``
+    # (the rows' canvases, pad past each row's length), active ``[slots]``, kv
+    # ``[2, layers, slots, H_kv, width, d]`` and its per-layer views k and v,
+    # and the column index.
+    x = _materialized("_x")
+    active = _materialized("_active")
+    kv = _materialized("_kv")
+    k = _materialized("_k")
+    v = _materialized("_v")
+    _cols = _materialized("_col_index")
 
     @property
     def _block_offsets(self) -> torch.Tensor:
