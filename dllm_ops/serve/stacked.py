@@ -45,7 +45,7 @@ long as the slab stays within :data:`WIDTH_SPREAD` times every row's width
 K/V, and prompts of any mix of lengths still stack (a cohort per width would
 split a realistic load into as many cohorts as it has lengths, each with its
 own plan, K/V writes, attention launches and commit per call). A wider row
-joining widens the slab (one copy); the width stays until the cohort
+joining widens the slab; the width stays until the cohort
 empties, as idle slots do. Of the cohorts a row fits, it joins the one its
 joining grows least (:meth:`StackedDecodes.join_nbytes`); when it fits none
 it starts its own.
@@ -58,10 +58,13 @@ a launch on its own queries and columns, on every backend (on CUDA, the key
 split its own launch would pick); scoring and the rules are row-independent
 (python_tests/test_stacked.py checks all of it against ``generate``).
 
-**Memory.** The slab grows one row at a time when a row joins a full slab,
-keeps a leaving row's slot for the next (the last row moves into it, so the
-rows stay ``[0, R)``), and is freed when the cohort empties; the engine counts
-the whole slab, idle slots included, against ``--kv-budget``.
+**Memory.** The slab grows one slot when a row joins a full slab (and widens
+for a wider row), keeps a leaving row's slot for the next (the last row moves
+into it, so the rows stay ``[0, R)``), and is freed when the cohort empties;
+the engine counts the whole slab, idle slots included, against
+``--kv-budget``. A join is counted at once; the tensors follow when the slab
+is next read, so the rows joining between two calls cost one allocation and
+one copy of the rows already there.
 """
 from __future__ import annotations
 
